@@ -1,0 +1,3 @@
+"""protofl: prototype-based federated learning on Flower."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,174 @@
+"""Run results: per-round records, summaries, results.json / metrics.csv / PNG, comparison tables.
+
+No flwr imports: the server strategy feeds a :class:`RunRecorder`, the comparison runner reads the
+files back. The results.json schema is documented in README.md ("Results").
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+# Keys every round record carries (None where a quantity was not measured that round).
+ROUND_KEYS = (
+    "round",
+    "global_accuracy",
+    "personalized_accuracy",
+    "personalized_std",
+    "train_loss",
+    "bytes_up",
+    "bytes_down",
+    "seconds",
+)
+SUMMARY_KEYS = ("global_accuracy", "personalized_accuracy")
+
+
+def personalized_stats(correct: Sequence[int], totals: Sequence[int]) -> dict[str, float]:
+    """Across-client accuracy statistics.
+
+    ``accuracy`` is sample-weighted (sum correct / sum tested), ``mean`` and ``std`` are the
+    unweighted mean and population std of per-client accuracies, ``worst10`` the mean of the
+    lowest 10 % of clients (at least one client).
+    """
+    correct_arr = np.asarray(correct, dtype=float)
+    totals_arr = np.asarray(totals, dtype=float)
+    if len(totals_arr) == 0 or totals_arr.sum() == 0:
+        raise ValueError("no evaluated samples")
+    per_client = correct_arr / np.maximum(totals_arr, 1.0)
+    k = max(1, math.ceil(0.1 * len(per_client)))
+    return {
+        "accuracy": float(correct_arr.sum() / totals_arr.sum()),
+        "mean": float(per_client.mean()),
+        "std": float(per_client.std()),
+        "worst10": float(np.sort(per_client)[:k].mean()),
+    }
+
+
+def summarize(rounds: Iterable[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """Final, best (and its round) and mean of the last 10 measured values of ``key``."""
+    points = [(r["round"], r[key]) for r in rounds if r.get(key) is not None]
+    if not points:
+        return None
+    values = [v for _, v in points]
+    best = int(np.argmax(values))
+    return {
+        "final": values[-1],
+        "final_round": points[-1][0],
+        "best": values[best],
+        "best_round": points[best][0],
+        "last10_mean": float(np.mean(values[-10:])),
+    }
+
+
+class RunRecorder:
+    """Collects per-round fields and writes the run's files to ``directory``."""
+
+    def __init__(self, directory: Path, run_config: dict[str, Any]) -> None:
+        self.directory = Path(directory)
+        self.run_config = run_config
+        self.rounds: dict[int, dict[str, Any]] = {}
+        self.extra: dict[str, Any] = {}
+        self.started = datetime.datetime.now().isoformat(timespec="seconds")
+
+    def update(self, server_round: int, **fields: Any) -> dict[str, Any]:
+        record = self.rounds.setdefault(
+            server_round, {key: None for key in ROUND_KEYS} | {"round": server_round}
+        )
+        record.update(fields)
+        return record
+
+    def results(self) -> dict[str, Any]:
+        rounds = [self.rounds[r] for r in sorted(self.rounds)]
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run_config": self.run_config,
+            "started": self.started,
+            **self.extra,
+            "summary": {key: summarize(rounds, key) for key in SUMMARY_KEYS},
+            "rounds": rounds,
+        }
+
+    def write(self, plot: bool = False) -> dict[str, Any]:
+        """Write results.json and metrics.csv (and the accuracy PNG when ``plot``)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        results = self.results()
+        tmp = self.directory / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2))
+        tmp.replace(self.directory / "results.json")
+        write_csv(results["rounds"], self.directory / "metrics.csv")
+        if plot:
+            plot_curves({self.run_config.get("method", "run"): results}, self.directory / "accuracy.png")
+        return results
+
+
+def write_csv(rounds: list[dict[str, Any]], path: Path) -> None:
+    columns = list(ROUND_KEYS) + sorted({k for r in rounds for k in r} - set(ROUND_KEYS))
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for record in rounds:
+            writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
+
+
+def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Accuracy per round: GM solid, PM dashed, one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, results) in enumerate(runs.items()):
+        colour = f"C{i % 10}"
+        for key, style, name in (("global_accuracy", "-", "GM"), ("personalized_accuracy", "--", "PM")):
+            points = [(r["round"], r[key]) for r in results["rounds"] if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, style, color=colour, label=f"{label} {name}")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
+    """Markdown table of GM and PM (final / best / last-10 mean), PM std, traffic and time."""
+    header = (
+        "| method | GM final | GM best (round) | GM last-10 | PM final | PM best (round) | PM last-10 "
+        "| PM std (final) | MB up+down / round | s / round |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for label, results in runs.items():
+        rounds = results["rounds"]
+        cells = [label]
+        for key in SUMMARY_KEYS:
+            s = results["summary"].get(key)
+            if s is None:
+                cells += ["–", "–", "–"]
+            else:
+                cells += [_fmt(s["final"]), f"{_fmt(s['best'])} ({s['best_round']})", _fmt(s["last10_mean"])]
+        final_std = [r["personalized_std"] for r in rounds if r.get("personalized_std") is not None]
+        cells.append(_fmt(final_std[-1] if final_std else None))
+        traffic = [(r["bytes_up"] or 0) + (r["bytes_down"] or 0) for r in rounds]
+        cells.append(_fmt(np.mean(traffic) / 1e6 if traffic else None, 3))
+        seconds = [r["seconds"] for r in rounds if r.get("seconds") is not None]
+        cells.append(_fmt(float(np.mean(seconds)) if seconds else None, 2))
+        lines.append("| " + " | ".join(cells) + " |")
+    return header + "\n".join(lines) + "\n"

@@ -1,0 +1,582 @@
+"""What every method shares: the payload codec, seeded client sampling, evaluation, results.
+
+A method module subclasses :class:`PrototypeStrategy` (server rule) and
+:class:`PrototypeClient` (client rule) and overrides only the hooks it needs:
+
+server: ``has_global_model``, ``upload_spec()``, ``broadcast()``, ``aggregate_updates()``
+client: ``fit()``, ``evaluate()`` (helpers for payloads, seeds and state are here)
+
+Wire format (legacy Flower API): arrays travel as ``np.save(..., allow_pickle=False)`` bytes in
+``FitRes.metrics`` (client -> server) and in ``FitIns.config`` / ``EvaluateIns.config``
+(server -> client). Every blob a client sends is checked against an :class:`ArraySpec`; a client
+whose upload fails a check is dropped from the round with a logged reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import math
+import time
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from flwr.client import NumPyClient
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    GetPropertiesIns,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.common.logger import log
+from flwr.server import History, Server
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
+
+from protofl.config import ExperimentConfig
+from protofl.report import RunRecorder, personalized_stats
+from protofl.task.data import ClientData
+from protofl.task.models import SplitModel
+from protofl.task.train import features_and_logits, head_loss_and_correct
+
+# ---------------------------------------------------------------------------------------
+# Payload codec
+# ---------------------------------------------------------------------------------------
+
+ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "bool"})
+NPY_MAGIC = b"\x93NUMPY"
+
+
+class PayloadError(ValueError):
+    """A payload that must not be used (unreadable, wrong shape or dtype, non-finite, too big)."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What an array payload must look like. ``None`` in ``shape`` matches any length."""
+
+    shape: tuple[int | None, ...]
+    dtypes: tuple[str, ...] = ("float32",)
+    nonnegative: bool = False
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    """numpy array -> ``.npy`` bytes (never pickled)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.name not in ALLOWED_DTYPES:
+        raise PayloadError(f"dtype {array.dtype} is not allowed on the wire")
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
+    """``.npy`` bytes -> array, checked against ``spec``; raises :class:`PayloadError`."""
+    if not isinstance(blob, bytes):
+        raise PayloadError(f"expected bytes, got {type(blob).__name__}")
+    if len(blob) > max_bytes:
+        raise PayloadError(f"{len(blob)} bytes exceeds the cap of {max_bytes}")
+    if not blob.startswith(NPY_MAGIC):
+        raise PayloadError("not a .npy array")
+    try:
+        array = np.load(io.BytesIO(blob), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise PayloadError(f"unreadable array ({err})") from None
+    if array.dtype.name not in spec.dtypes:
+        raise PayloadError(f"dtype {array.dtype} not in {spec.dtypes}")
+    if len(array.shape) != len(spec.shape) or any(
+        want is not None and want != got for want, got in zip(spec.shape, array.shape)
+    ):
+        raise PayloadError(f"shape {array.shape} does not match {spec.shape}")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise PayloadError("non-finite values")
+    if spec.nonnegative and (array < 0).any():
+        raise PayloadError("negative values")
+    return array
+
+
+def payload_bytes(values: Mapping[str, Any]) -> int:
+    """Bytes carried by the ``bytes`` values of a config/metrics dict."""
+    return sum(len(v) for v in values.values() if isinstance(v, bytes))
+
+
+def parameters_bytes(parameters: Parameters) -> int:
+    return sum(len(t) for t in parameters.tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# Seeded sampling and aggregation helpers
+# ---------------------------------------------------------------------------------------
+
+
+def sample_partitions(
+    partition_ids: Sequence[int], fraction: float, min_clients: int, seed: int, server_round: int
+) -> list[int]:
+    """The partition ids trained this round: depends only on (ids, fraction, seed, round)."""
+    ids = sorted(partition_ids)
+    count = min(len(ids), max(min_clients, int(fraction * len(ids))))
+    rng = np.random.default_rng([seed, server_round])
+    return sorted(int(i) for i in rng.choice(ids, size=count, replace=False))
+
+
+def client_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """Seed for one client's local work in one round."""
+    return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
+
+
+def weighted_average(
+    arrays_per_client: Sequence[Sequence[np.ndarray]], weights: Sequence[float]
+) -> list[np.ndarray]:
+    """Layer-wise weighted mean; each result keeps its layer's dtype."""
+    w = np.asarray(weights, dtype=np.float64)
+    if len(arrays_per_client) == 0 or w.sum() <= 0:
+        raise ValueError("nothing to average")
+    w = w / w.sum()
+    return [
+        np.tensordot(w, np.stack([client[i] for client in arrays_per_client]).astype(np.float64), axes=1)
+        .astype(arrays_per_client[0][i].dtype)
+        for i in range(len(arrays_per_client[0]))
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Server side
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClientUpdate:
+    """One accepted fit result, decoded and validated."""
+
+    partition_id: int
+    num_examples: int
+    parameters: list[np.ndarray]
+    payload: dict[str, np.ndarray]
+    metrics: dict[str, Scalar] = field(default_factory=dict)
+
+
+class PrototypeStrategy(Strategy):
+    """Flower Strategy with seeded sampling, payload validation, GM/PM evaluation and results.
+
+    Subclasses set ``has_global_model`` and override ``upload_spec``, ``broadcast`` and
+    ``aggregate_updates``.
+    """
+
+    has_global_model = True
+    properties_timeout = 120.0
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: SplitModel,
+        num_classes: int,
+        global_test: tuple[torch.Tensor, torch.Tensor] | None = None,
+        recorder: RunRecorder | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.num_classes = num_classes
+        self.feature_dim = model.feature_dim
+        self.global_test = global_test
+        self.max_payload_bytes = int(config.max_payload_mb * 2**20)
+        self.recorder = recorder or RunRecorder(config.run_directory(), config.as_dict())
+        self.initial_weights = [v.detach().cpu().numpy() for v in model.state_dict().values()]
+        self.partitions: dict[int, ClientProxy] = {}  # partition id -> the node holding it
+        self.num_partitions: int | None = None
+        self.queried: set[str] = set()  # node ids already asked for their partition
+        self.waited_for_all = False
+        self.sampled: list[int] = []
+        self.round_started = 0.0
+
+    # --- hooks for methods --------------------------------------------------------------
+
+    def upload_spec(self) -> dict[str, ArraySpec]:
+        """Arrays each client must send in its fit metrics (key -> spec)."""
+        return {}
+
+    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
+        """Arrays sent to clients in the fit and evaluate config."""
+        return {}
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
+        """Server rule: new global parameters (None for methods without a global model)."""
+        raise NotImplementedError
+
+    # --- partitions and sampling --------------------------------------------------------
+
+    def discover_partitions(self, client_manager: ClientManager) -> None:
+        """Learn which partition each node holds (node ids are random per run, partitions are not).
+
+        Each node is asked once for its properties. The first time fewer nodes than the
+        reported ``num-partitions`` are connected, wait for the rest (deployment), then go on
+        with who is there.
+        """
+        timeout = int(self.properties_timeout)
+        client_manager.wait_for(1, timeout=timeout)
+        self._query_new_nodes(client_manager)
+        if not self.waited_for_all and len(self.partitions) < (self.num_partitions or 0):
+            self.waited_for_all = True
+            client_manager.wait_for(self.num_partitions, timeout=timeout)
+            self._query_new_nodes(client_manager)
+
+    def _query_new_nodes(self, client_manager: ClientManager) -> None:
+        new = [proxy for cid, proxy in client_manager.all().items() if cid not in self.queried]
+        self.queried.update(proxy.cid for proxy in new)
+        ins = GetPropertiesIns(config={})
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(new)))) as pool:
+            replies = list(pool.map(lambda p: _try(p.get_properties, ins, self.properties_timeout, 0), new))
+        for proxy, reply in zip(new, replies):
+            if isinstance(reply, BaseException):
+                log(WARNING, "node %s did not report its partition: %s", proxy.cid, reply)
+                continue
+            pid = reply.properties.get("partition-id")
+            if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
+                log(WARNING, "node %s reported an invalid partition-id %r", proxy.cid, pid)
+            elif pid in self.partitions:
+                log(WARNING, "node %s reported partition %d, already held by another node", proxy.cid, pid)
+            else:
+                self.partitions[pid] = proxy
+                reported = reply.properties.get("num-partitions")
+                if isinstance(reported, int):
+                    self.num_partitions = max(self.num_partitions or 0, reported)
+
+    def _available_partitions(self, client_manager: ClientManager) -> list[int]:
+        live = client_manager.all()
+        return sorted(pid for pid, proxy in self.partitions.items() if proxy.cid in live)
+
+    # --- Strategy API ---------------------------------------------------------------------
+
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
+        return ndarrays_to_parameters(self.initial_weights if self.has_global_model else [])
+
+    def _configs(self, server_round: int, partition_ids: Sequence[int]) -> list[dict[str, Scalar]]:
+        """Per-client config: round, the client's seed, and the broadcast arrays (encoded once)."""
+        shared = {k: encode_array(v) for k, v in self.broadcast(server_round).items()}
+        return [
+            {"server-round": server_round, "seed": client_seed(self.config.seed, server_round, p), **shared}
+            for p in partition_ids
+        ]
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        self.discover_partitions(client_manager)
+        self.round_started = time.perf_counter()  # after discovery, which also starts the clients
+        available = self._available_partitions(client_manager)
+        if not available:
+            raise RuntimeError("no client reported a partition id; cannot sample clients")
+        self.sampled = sample_partitions(
+            available, self.config.fraction_fit, self.config.min_fit_clients, self.config.seed, server_round
+        )
+        configs = self._configs(server_round, self.sampled)
+        instructions = [(self.partitions[p], FitIns(parameters, c)) for p, c in zip(self.sampled, configs)]
+        self.recorder.update(
+            server_round,
+            bytes_down=sum(parameters_bytes(ins.parameters) + payload_bytes(ins.config) for _, ins in instructions),
+            clients=self.sampled,
+        )
+        log(INFO, "round %d: training partitions %s", server_round, self.sampled)
+        return instructions
+
+    def _parse_fit_result(self, res: FitRes) -> ClientUpdate:
+        metrics = dict(res.metrics)
+        pid = metrics.get("partition-id")
+        if not isinstance(pid, int) or pid not in self.partitions:
+            raise PayloadError(f"unknown partition-id {pid!r}")
+        if not isinstance(res.num_examples, int) or res.num_examples < 1:
+            raise PayloadError(f"num_examples must be a positive int, got {res.num_examples!r}")
+        parameters: list[np.ndarray] = []
+        if self.has_global_model:
+            try:
+                parameters = parameters_to_ndarrays(res.parameters)
+            except (ValueError, OSError, EOFError) as err:
+                raise PayloadError(f"unreadable parameters ({err})") from None
+            if [p.shape for p in parameters] != [w.shape for w in self.initial_weights]:
+                raise PayloadError("parameter shapes do not match the global model")
+            if not all(np.isfinite(p).all() for p in parameters if p.dtype.kind == "f"):
+                raise PayloadError("non-finite parameters")
+        payload = {}
+        for key, spec in self.upload_spec().items():
+            if key not in metrics:
+                raise PayloadError(f"missing {key!r}")
+            try:
+                payload[key] = decode_array(metrics[key], spec, self.max_payload_bytes)
+            except PayloadError as err:
+                raise PayloadError(f"{key!r}: {err}") from None
+        return ClientUpdate(pid, res.num_examples, parameters, payload, metrics)
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        for failure in failures:
+            log(WARNING, "round %d: a client failed: %s", server_round, _describe(failure))
+        updates: list[ClientUpdate] = []
+        for proxy, res in results:
+            try:
+                updates.append(self._parse_fit_result(res))
+            except PayloadError as err:
+                log(WARNING, "round %d: dropped the update of node %s: %s", server_round, proxy.cid, err)
+        required = min(self.config.min_fit_clients, len(self.sampled))
+        if len(updates) < required:
+            raise RuntimeError(
+                f"round {server_round}: only {len(updates)} valid client updates, "
+                f"{required} required (min-fit-clients); see the warnings above"
+            )
+        new_parameters = self.aggregate_updates(server_round, updates)
+        weights = [u.num_examples for u in updates]
+        losses = [float(u.metrics.get("train-loss", float("nan"))) for u in updates]
+        train_loss = float(np.average(losses, weights=weights))
+        self.recorder.update(
+            server_round,
+            train_loss=train_loss,
+            bytes_up=sum(parameters_bytes(res.parameters) + payload_bytes(res.metrics) for _, res in results),
+            rejected=len(results) - len(updates) + len(failures),
+            fit_seconds=time.perf_counter() - self.round_started,
+            seconds=time.perf_counter() - self.round_started,
+        )
+        self.recorder.write()
+        parameters = ndarrays_to_parameters(new_parameters if new_parameters is not None else [])
+        return parameters, {"train-loss": train_loss, "accepted": len(updates)}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
+        """GM: the global model on the global test set (methods with a global model)."""
+        if not self.has_global_model or self.global_test is None or not parameters.tensors:
+            return None
+        if server_round > 0 and not self.config.is_eval_round(server_round):
+            return None
+        set_weights(self.model, parameters_to_ndarrays(parameters))
+        x, y = self.global_test
+        _, logits = features_and_logits(self.model.to(x.device), x)
+        loss, correct = head_loss_and_correct(logits, y)
+        accuracy = correct / len(y)
+        if server_round > 0:
+            self.recorder.update(
+                server_round, global_accuracy=accuracy, global_loss=loss,
+                seconds=time.perf_counter() - self.round_started,
+            )
+        return loss, {"global-accuracy": accuracy}
+
+    def configure_evaluate(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, EvaluateIns]]:
+        if not self.config.is_eval_round(server_round):
+            return []
+        if self.config.evaluate_clients == "all":
+            chosen = self._available_partitions(client_manager)
+        else:
+            chosen = self.sampled
+        configs = self._configs(server_round, chosen)
+        return [(self.partitions[p], EvaluateIns(parameters, c)) for p, c in zip(chosen, configs)]
+
+    def aggregate_evaluate(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, EvaluateRes]],
+        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        """PM: each client's own model on its local test split, aggregated across clients."""
+        for failure in failures:
+            log(WARNING, "round %d: a client failed to evaluate: %s", server_round, _describe(failure))
+        valid = [res for _, res in results if _valid_evaluation(res)]
+        if len(valid) < len(results):
+            log(WARNING, "round %d: ignored %d malformed evaluation results", server_round, len(results) - len(valid))
+        if not valid:
+            return None, {}
+        totals = [res.num_examples for res in valid]
+        fields: dict[str, Any] = {}
+        for key in sorted({k for res in valid for k in res.metrics if k.startswith("correct")}):
+            if not all(key in res.metrics for res in valid):
+                continue
+            stats = personalized_stats([int(res.metrics[key]) for res in valid], totals)
+            suffix = key[len("correct"):].replace("-", "_")
+            if suffix:
+                fields[f"personalized_accuracy{suffix}"] = stats["accuracy"]
+            else:
+                fields.update(
+                    personalized_accuracy=stats["accuracy"],
+                    personalized_accuracy_mean=stats["mean"],
+                    personalized_std=stats["std"],
+                    personalized_worst10=stats["worst10"],
+                )
+        loss = float(np.average([res.loss for res in valid], weights=totals))
+        record = self.recorder.update(
+            server_round, personalized_loss=loss, seconds=time.perf_counter() - self.round_started, **fields
+        )
+        self.recorder.write()
+        log(INFO, "round %d: %s", server_round, _progress(record))
+        return loss, {k: v for k, v in fields.items() if isinstance(v, float)}
+
+    def finish(self) -> str:
+        """Write the final files; returns the run summary (ends with where the files are)."""
+        results = self.recorder.write(plot=True)
+        lines = [
+            f"{key}: final {s['final']:.4f} | best {s['best']:.4f} (round {s['best_round']}) "
+            f"| last-10 mean {s['last10_mean']:.4f}"
+            for key, s in results["summary"].items()
+            if s
+        ]
+        lines.append(f"results written to {self.recorder.directory}")
+        return "\n".join(lines)
+
+
+class RunSummary(History):
+    """Flower's History, printed in the [SUMMARY] log as protofl's summary instead of every metric."""
+
+    summary = ""
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+class PrototypeServer(Server):
+    """Flower's Server loop, plus the strategy's final report once all rounds are done."""
+
+    def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
+        history, elapsed = super().fit(num_rounds, timeout)
+        self.strategy.recorder.extra["total_seconds"] = elapsed
+        summary = RunSummary()
+        summary.__dict__.update(history.__dict__)
+        summary.summary = self.strategy.finish()
+        return summary, elapsed
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # a node that cannot answer is skipped, not fatal
+        return err
+
+
+def _describe(failure: Any) -> str:
+    if isinstance(failure, BaseException):
+        return f"{type(failure).__name__}: {failure}"
+    _, res = failure
+    return f"status {res.status.code}: {res.status.message}"
+
+
+def _valid_evaluation(res: EvaluateRes) -> bool:
+    if not isinstance(res.num_examples, int) or res.num_examples < 1:
+        return False
+    for key, value in res.metrics.items():
+        if key.startswith("correct") and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= res.num_examples
+        ):
+            return False
+    return math.isfinite(res.loss)
+
+
+def _progress(record: Mapping[str, Any]) -> str:
+    parts = []
+    if record.get("global_accuracy") is not None:
+        parts.append(f"GM {record['global_accuracy']:.4f}")
+    if record.get("personalized_accuracy") is not None:
+        parts.append(f"PM {record['personalized_accuracy']:.4f} (std {record['personalized_std']:.4f})")
+    if record.get("train_loss") is not None:
+        parts.append(f"train loss {record['train_loss']:.4f}")
+    parts.append(f"up {(record.get('bytes_up') or 0) / 1e6:.2f} MB, down {(record.get('bytes_down') or 0) / 1e6:.2f} MB")
+    parts.append(f"{record.get('seconds') or 0:.1f} s")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# Client side
+# ---------------------------------------------------------------------------------------
+
+
+def get_weights(model: torch.nn.Module) -> list[np.ndarray]:
+    return [v.detach().cpu().numpy() for v in model.state_dict().values()]
+
+
+def set_weights(model: torch.nn.Module, weights: Sequence[np.ndarray]) -> None:
+    state = model.state_dict()
+    if len(weights) != len(state):
+        raise ValueError(f"got {len(weights)} arrays for a model with {len(state)} tensors")
+    model.load_state_dict(
+        {k: torch.as_tensor(np.asarray(w), dtype=v.dtype) for (k, v), w in zip(state.items(), weights)},
+        strict=True,
+    )
+
+
+class PrototypeClient(NumPyClient):
+    """NumPyClient holding one partition's data; methods override ``fit`` and ``evaluate``."""
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        data: ClientData,
+        model: SplitModel,
+        num_partitions: int,
+        state: Any,
+    ) -> None:
+        self.config = config
+        self.data = data
+        self.device = data.train_x.device
+        self.model = model.to(self.device)
+        self.num_partitions = num_partitions
+        self.state = state  # context.state: persists across rounds on this node, never sent
+        self.max_payload_bytes = int(config.max_payload_mb * 2**20)
+
+    def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
+        return {
+            "partition-id": self.data.partition_id,
+            "num-partitions": self.num_partitions,
+            "num-train": self.data.num_train,
+            "num-test": self.data.num_test,
+        }
+
+    def get_parameters(self, config: dict[str, Scalar]) -> list[np.ndarray]:
+        return get_weights(self.model)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def received(self, config: Mapping[str, Scalar], key: str, spec: ArraySpec) -> np.ndarray | None:
+        """A broadcast array from the server config, validated; None when not sent."""
+        if key not in config:
+            return None
+        return decode_array(config[key], spec, self.max_payload_bytes)
+
+    def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
+        return {
+            "epochs": self.config.local_epochs,
+            "batch_size": self.config.batch_size,
+            "lr": self.config.lr,
+            "momentum": self.config.momentum,
+            "weight_decay": self.config.weight_decay,
+            "seed": int(config.get("seed", self.config.seed)),
+        }
+
+    def fit_metrics(self, train_loss: float, **payload: np.ndarray) -> dict[str, Scalar]:
+        metrics: dict[str, Scalar] = {"partition-id": self.data.partition_id, "train-loss": float(train_loss)}
+        metrics.update({k: encode_array(v) for k, v in payload.items()})
+        return metrics
+
+    def restore_personal_model(self) -> bool:
+        """Load this client's persistent model from ``context.state``; False on the first round."""
+        if "model" not in self.state:
+            return False
+        self.model.load_state_dict(self.state["model"].to_torch_state_dict())
+        return True
+
+    def store_personal_model(self) -> None:
+        from flwr.app import ArrayRecord
+
+        self.state["model"] = ArrayRecord({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+
+    def evaluate_head(self) -> tuple[float, int, dict[str, Scalar]]:
+        """The classifier head on the local test split: (loss, num_test, {'correct': ...})."""
+        _, logits = features_and_logits(self.model, self.data.test_x)
+        loss, correct = head_loss_and_correct(logits, self.data.test_y)
+        return loss, self.data.num_test, {"correct": correct, "partition-id": self.data.partition_id}

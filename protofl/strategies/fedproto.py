@@ -1,0 +1,162 @@
+"""FedProto (Tan et al., AAAI 2022): clients share class prototypes instead of models.
+
+Client: loss = CE + lambda * MSE(feature, global prototype of its label) (per-sample form of the
+official code and PFLlib); after training, per-class mean features from an eval pass over the
+local training split, and the class counts, go up as bytes. The model is personal and kept in
+``context.state``.
+
+Server: global prototype of class c = average of the client prototypes of c, weighted by the
+clients' counts of c (Eq. 5, ``weighting = "count"``) or unweighted over the clients holding c
+(``"uniform"``, as PFLlib). Classes no client of this round holds get no global prototype.
+``average-parameters = true`` also averages the models (FedAvg + prototype loss), giving a GM.
+
+Inference: nearest global prototype (``inference = "prototype"``, the reported PM) and the
+classifier head; both are logged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from protofl.strategies.base import (
+    ArraySpec,
+    ClientUpdate,
+    PrototypeClient,
+    PrototypeStrategy,
+    get_weights,
+    set_weights,
+    weighted_average,
+)
+from protofl.task.train import class_means, features_and_logits, head_loss_and_correct, nearest_prototype, train
+
+WEIGHTINGS = ("count", "uniform")
+INFERENCES = ("prototype", "head")
+
+
+def aggregate_prototypes(
+    prototypes: np.ndarray, counts: np.ndarray, weighting: str = "count"
+) -> tuple[np.ndarray, np.ndarray]:
+    """K x C x d client prototypes and K x C counts -> (C x d global prototypes, C mask).
+
+    The mask marks classes held by at least one client; their rows are zero otherwise.
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    held = counts > 0
+    weights = counts.astype(np.float64) if weighting == "count" else held.astype(np.float64)
+    total = weights.sum(axis=0)
+    summed = np.einsum("kc,kcd->cd", weights, prototypes.astype(np.float64))
+    mask = total > 0
+    global_prototypes = np.zeros(prototypes.shape[1:], dtype=np.float32)
+    global_prototypes[mask] = summed[mask] / total[mask, None]
+    return global_prototypes, mask
+
+
+def prototype_loss(
+    features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """MSE between each feature and its label's global prototype, averaged over batch x d.
+
+    Samples whose class has no global prototype contribute zero (as PFLlib's FedProto).
+    """
+    has_prototype = mask[labels].unsqueeze(1).to(features.dtype)
+    return ((features - prototypes[labels]) ** 2 * has_prototype).sum() / features.numel()
+
+
+class FedProtoStrategy(PrototypeStrategy):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.weighting = str(self.config.option("weighting", "count"))
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"fedproto.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        self.global_prototypes: np.ndarray | None = None
+        self.prototype_mask: np.ndarray | None = None
+
+    @property
+    def has_global_model(self) -> bool:
+        return bool(self.config.option("average-parameters", False))
+
+    def upload_spec(self) -> dict[str, ArraySpec]:
+        return {
+            "prototypes": ArraySpec((self.num_classes, self.feature_dim), ("float32",)),
+            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
+        }
+
+    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
+        if self.global_prototypes is None:
+            return {}
+        return {"global-prototypes": self.global_prototypes, "global-prototype-mask": self.prototype_mask}
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
+        self.global_prototypes, self.prototype_mask = aggregate_prototypes(
+            np.stack([u.payload["prototypes"] for u in updates]),
+            np.stack([u.payload["class-counts"] for u in updates]),
+            self.weighting,
+        )
+        if not self.has_global_model:
+            return None
+        return weighted_average([u.parameters for u in updates], [u.num_examples for u in updates])
+
+
+class FedProtoClient(PrototypeClient):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lam = float(self.config.option("lambda", 1.0))
+        self.average_parameters = bool(self.config.option("average-parameters", False))
+        self.inference = str(self.config.option("inference", "prototype"))
+        if self.inference not in INFERENCES:
+            raise ValueError(f"fedproto.inference must be one of {INFERENCES}, got {self.inference!r}")
+
+    def _load_model(self, parameters) -> None:
+        if self.average_parameters:
+            set_weights(self.model, parameters)
+        else:
+            self.restore_personal_model()
+
+    def _global_prototypes(self, config) -> tuple[torch.Tensor, torch.Tensor] | None:
+        c, d = self.data.num_classes, self.model.feature_dim
+        prototypes = self.received(config, "global-prototypes", ArraySpec((c, d)))
+        mask = self.received(config, "global-prototype-mask", ArraySpec((c,), ("bool",)))
+        if prototypes is None or mask is None:
+            return None
+        return torch.from_numpy(prototypes).to(self.device), torch.from_numpy(mask).to(self.device)
+
+    def fit(self, parameters, config):
+        self._load_model(parameters)
+        received = self._global_prototypes(config)
+        extra_loss = None
+        if received is not None and self.lam > 0:
+            prototypes, mask = received
+            extra_loss = lambda features, _logits, labels: self.lam * prototype_loss(  # noqa: E731
+                features, labels, prototypes, mask
+            )
+        loss = train(
+            self.model, self.data.train_x, self.data.train_y, extra_loss=extra_loss, **self.train_kwargs(config)
+        )
+        features, _ = features_and_logits(self.model, self.data.train_x)
+        prototypes, counts = class_means(features, self.data.train_y, self.data.num_classes)
+        if not self.average_parameters:
+            self.store_personal_model()
+        parameters_out = get_weights(self.model) if self.average_parameters else []
+        return parameters_out, self.data.num_train, self.fit_metrics(
+            loss, prototypes=prototypes, **{"class-counts": counts}
+        )
+
+    def evaluate(self, parameters, config):
+        self._load_model(parameters)
+        features, logits = features_and_logits(self.model, self.data.test_x)
+        loss, correct_head = head_loss_and_correct(logits, self.data.test_y)
+        metrics = {"partition-id": self.data.partition_id, "correct-head": correct_head}
+        received = self._global_prototypes(config)
+        correct = correct_head
+        if received is not None:
+            predicted = nearest_prototype(features, *received)
+            metrics["correct-prototype"] = int((predicted == self.data.test_y).sum())
+            if self.inference == "prototype":
+                correct = metrics["correct-prototype"]
+        metrics["correct"] = correct
+        return loss, self.data.num_test, metrics
+
+
+STRATEGY, CLIENT = FedProtoStrategy, FedProtoClient

@@ -1,0 +1,1 @@
+"""Data, partitions, models and training loops (plain PyTorch, no Flower imports)."""

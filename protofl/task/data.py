@@ -1,0 +1,289 @@
+"""Datasets as ready arrays, loaded once per process, and each client's data as tensors.
+
+Sources:
+- ``digits``: scikit-learn's 1,797 8x8 digits (embedded, offline), upsampled to 16x16; a fixed
+  stratified 80/20 split gives the global test set.
+- ``fmnist``: the IDX files in ``data-dir`` (e.g. ``/usr/share/datasets/fashion-mnist`` from
+  Debian's ``dataset-fashion-mnist``, which is also tried when ``data-dir`` is empty), else the
+  Hugging Face hub copy through flwr-datasets.
+- ``cifar10`` / ``cifar100``: torchvision's on-disk format under ``data-dir``
+  (``cifar-10-batches-py`` / ``cifar-100-python``), else the hub copy through flwr-datasets.
+
+Images are float32 N x C x H x W scaled to [-1, 1] (mean 0.5, std 0.5 per channel, as PFLlib).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protofl.task.partition import PartitionSpec, client_split, partition_indices, stratified_split
+
+DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+# name -> (number of classes, hub name, hub image column, hub label column)
+DATASETS = {
+    "digits": (10, None, None, None),
+    "fmnist": (10, "zalando-datasets/fashion_mnist", "image", "label"),
+    "cifar10": (10, "uoft-cs/cifar10", "img", "label"),
+    "cifar100": (100, "uoft-cs/cifar100", "img", "fine_label"),
+}
+
+
+@dataclass(frozen=True)
+class ArraySplit:
+    images: np.ndarray  # float32, N x C x H x W, normalised
+    labels: np.ndarray  # int64, N
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    num_classes: int
+    train: ArraySplit  # the pool that is partitioned across clients
+    test: ArraySplit  # the global test set (GM)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.train.images.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.train.images.shape[2])
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's local train and test split, as tensors on the training device."""
+
+    partition_id: int
+    num_classes: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_y)
+
+    def class_counts(self) -> np.ndarray:
+        """Training samples per class (length ``num_classes``)."""
+        return np.bincount(self.train_y.cpu().numpy(), minlength=self.num_classes).astype(np.int64)
+
+
+def _normalise(images_uint8: np.ndarray) -> np.ndarray:
+    """uint8 N x H x W (x C) -> float32 N x C x H x W in [-1, 1]."""
+    x = images_uint8.astype(np.float32) / 255.0
+    if x.ndim == 3:
+        x = x[:, None]
+    else:
+        x = x.transpose(0, 3, 1, 2)
+    return np.ascontiguousarray((x - 0.5) / 0.5)
+
+
+def _split(images_uint8: np.ndarray, labels) -> ArraySplit:
+    return ArraySplit(_normalise(images_uint8), np.asarray(labels, dtype=np.int64))
+
+
+# --- digits ------------------------------------------------------------------------------
+
+
+def _load_digits() -> tuple[ArraySplit, ArraySplit]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0)[:, None]
+    x = torch.nn.functional.interpolate(x, size=16, mode="bilinear", align_corners=False)
+    x = ((x - 0.5) / 0.5).numpy()
+    y = bunch.target.astype(np.int64)
+    train, test = stratified_split(y, test_fraction=0.2, seed=0)  # fixed: same test set for every run
+    return ArraySplit(x[train], y[train]), ArraySplit(x[test], y[test])
+
+
+# --- IDX (MNIST family) ----------------------------------------------------------------
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read an IDX file (optionally gzipped) of unsigned bytes."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        data = handle.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path} is not an IDX file")
+    if data[2] != 0x08:
+        raise ValueError(f"{path}: only unsigned-byte IDX files are supported (type {data[2]:#x})")
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    dims = struct.unpack(">" + "I" * ndim, data[4:header])
+    if len(data) - header != int(np.prod(dims)):
+        raise ValueError(f"{path}: header says {dims} but holds {len(data) - header} bytes")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _find(directory: Path, stem: str) -> Path:
+    for name in (stem, stem + ".gz"):
+        if (directory / name).is_file():
+            return directory / name
+    raise FileNotFoundError(f"{directory} has no {stem}[.gz]")
+
+
+def load_idx_dir(directory: Path) -> tuple[ArraySplit, ArraySplit]:
+    """MNIST-format directory: train-/t10k- images-idx3 and labels-idx1 files."""
+    splits = []
+    for prefix in ("train", "t10k"):
+        images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"))
+        labels = read_idx(_find(directory, f"{prefix}-labels-idx1-ubyte"))
+        if len(images) != len(labels):
+            raise ValueError(f"{directory}: {len(images)} {prefix} images but {len(labels)} labels")
+        splits.append(_split(images, labels))
+    return splits[0], splits[1]
+
+
+# --- CIFAR (torchvision's python pickles) ------------------------------------------------
+
+
+class _ArrayOnlyUnpickler(pickle.Unpickler):
+    """Loads the CIFAR batch dicts (strings, lists, numpy arrays) and refuses any other global."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset file")
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    with open(path, "rb") as handle:
+        batch = _ArrayOnlyUnpickler(handle, encoding="latin1").load()  # as torchvision reads them
+    data = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return data, np.asarray(batch[label_key], dtype=np.int64)
+
+
+def load_cifar_dir(directory: Path, num_classes: int) -> tuple[ArraySplit, ArraySplit]:
+    """torchvision's on-disk CIFAR-10/100 layout under ``directory``."""
+    if num_classes == 10:
+        folder, label_key = "cifar-10-batches-py", "labels"
+        train_files, test_files = [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]
+    else:
+        folder, label_key = "cifar-100-python", "fine_labels"
+        train_files, test_files = ["train"], ["test"]
+    root = directory / folder if (directory / folder).is_dir() else directory
+    splits = []
+    for files in (train_files, test_files):
+        missing = [f for f in files if not (root / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{root} lacks {', '.join(missing)} (torchvision's {folder} layout)")
+        parts = [_read_cifar_batch(root / f, label_key) for f in files]
+        splits.append(_split(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+    return splits[0], splits[1]
+
+
+# --- Hugging Face hub through flwr-datasets ---------------------------------------------
+
+
+def arrays_from_hf(split, image_key: str, label_key: str) -> ArraySplit:
+    """A ``datasets.Dataset`` with PIL (or array) images -> ArraySplit."""
+    images = np.stack([np.asarray(img, dtype=np.uint8) for img in split[image_key]])
+    return _split(images, np.asarray(split[label_key]))
+
+
+def _load_hub(hub_name: str, image_key: str, label_key: str) -> tuple[ArraySplit, ArraySplit]:
+    from flwr_datasets import FederatedDataset
+    from flwr_datasets.partitioner import IidPartitioner
+
+    try:
+        fds = FederatedDataset(dataset=hub_name, partitioners={"train": IidPartitioner(1)})
+        train, test = fds.load_split("train"), fds.load_split("test")
+    except Exception as err:  # no network, no cache, renamed dataset ...
+        raise RuntimeError(
+            f"could not load {hub_name!r} from the Hugging Face hub ({err.__class__.__name__}: "
+            f"{err}); set the run config's data-dir to a local copy"
+        ) from err
+    return arrays_from_hf(train, image_key, label_key), arrays_from_hf(test, image_key, label_key)
+
+
+# --- public API --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def load_dataset(name: str, data_dir: str = "") -> Dataset:
+    """Load a dataset once per process (cached by name and data-dir)."""
+    if name not in DATASETS:
+        raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
+    num_classes, hub_name, image_key, label_key = DATASETS[name]
+    directory = Path(data_dir).expanduser() if data_dir else None
+    if directory is not None and not directory.is_dir():
+        raise FileNotFoundError(f"data-dir {directory} does not exist")
+    if name == "digits":
+        train, test = _load_digits()
+    elif name == "fmnist":
+        if directory is None and DEBIAN_FMNIST_DIR.is_dir():
+            directory = DEBIAN_FMNIST_DIR
+        train, test = load_idx_dir(directory) if directory else _load_hub(hub_name, image_key, label_key)
+    else:
+        train, test = (
+            load_cifar_dir(directory, num_classes) if directory else _load_hub(hub_name, image_key, label_key)
+        )
+    for split in (train, test):
+        if split.labels.min() < 0 or split.labels.max() >= num_classes:
+            raise ValueError(f"{name}: labels outside [0, {num_classes})")
+    return Dataset(name, num_classes, train, test)
+
+
+@functools.lru_cache(maxsize=8)
+def _partitions(name: str, data_dir: str, spec: PartitionSpec) -> tuple[np.ndarray, ...]:
+    return tuple(partition_indices(load_dataset(name, data_dir).train.labels, spec))
+
+
+@functools.lru_cache(maxsize=256)
+def load_client_data(
+    name: str, data_dir: str, spec: PartitionSpec, partition_id: int, device: str = "cpu"
+) -> ClientData:
+    """One client's data, split and moved to ``device`` once per process."""
+    if not 0 <= partition_id < spec.num_partitions:
+        raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
+    dataset = load_dataset(name, data_dir)
+    partition = _partitions(name, data_dir, spec)[partition_id]
+    train_idx, test_idx = client_split(dataset.train.labels, partition, spec, partition_id)
+    images, labels = dataset.train.images, dataset.train.labels
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    return ClientData(
+        partition_id=partition_id,
+        num_classes=dataset.num_classes,
+        train_x=tensor(images[train_idx]),
+        train_y=tensor(labels[train_idx]),
+        test_x=tensor(images[test_idx]),
+        test_y=tensor(labels[test_idx]),
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def load_global_test(name: str, data_dir: str, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The global test set as tensors on ``device`` (for GM)."""
+    test = load_dataset(name, data_dir).test
+    return torch.from_numpy(test.images).to(device), torch.from_numpy(test.labels).to(device)

@@ -1,0 +1,140 @@
+"""Label-skew partitions over an index table, and each client's local train/test split.
+
+The partitioners are flwr-datasets' own (IID, Dirichlet, pathological), run over a small
+``datasets.Dataset`` holding only ``label`` and ``idx`` columns; the images stay in numpy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
+MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and test split
+
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """Everything that decides which samples a client gets (hashable, for caching)."""
+
+    scheme: str
+    num_partitions: int
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    test_fraction: float = 0.25
+    seed: int = 0
+
+
+def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarray]:
+    """Split ``range(len(labels))`` into ``spec.num_partitions`` index arrays.
+
+    Deterministic for a given spec. Raises ``ValueError`` when a partition comes out
+    with fewer than ``MIN_PARTITION_SIZE`` samples.
+    """
+    import datasets  # heavy import, only where partitions are built
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
+    labels = np.asarray(labels, dtype=np.int64)
+    n = spec.num_partitions
+    if n < 1:
+        raise ValueError(f"num-partitions must be >= 1, got {n}")
+    if n > len(labels):
+        raise ValueError(f"cannot split {len(labels)} samples into {n} partitions")
+    order = np.arange(len(labels))
+    if spec.scheme == "iid":
+        # IidPartitioner takes contiguous shards, so shuffle the table with the seed first.
+        order = np.random.default_rng(spec.seed).permutation(len(labels))
+        partitioner = IidPartitioner(num_partitions=n)
+    elif spec.scheme == "dirichlet":
+        if spec.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {spec.alpha}")
+        partitioner = DirichletPartitioner(
+            num_partitions=n,
+            partition_by="label",
+            alpha=float(spec.alpha),
+            min_partition_size=MIN_PARTITION_SIZE,
+            self_balancing=False,
+            shuffle=True,
+            seed=spec.seed,
+        )
+    elif spec.scheme == "pathological":
+        num_classes = int(labels.max()) + 1
+        if not 1 <= spec.classes_per_client <= num_classes:
+            raise ValueError(
+                f"classes-per-client must be in [1, {num_classes}], got {spec.classes_per_client}"
+            )
+        partitioner = PathologicalPartitioner(
+            num_partitions=n,
+            partition_by="label",
+            num_classes_per_partition=int(spec.classes_per_client),
+            class_assignment_mode="random",
+            shuffle=True,
+            seed=spec.seed,
+        )
+    else:
+        raise ValueError(f"partition must be one of {PARTITION_SCHEMES}, got {spec.scheme!r}")
+
+    partitioner.dataset = datasets.Dataset.from_dict({"label": labels[order], "idx": order})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Dirichlet's retry notes; failure raises
+            parts = [
+                partitioner.load_partition(i).with_format("numpy")[:]["idx"].astype(np.int64)
+                for i in range(n)
+            ]
+    except ValueError as err:  # e.g. Dirichlet gave up after its retries
+        raise ValueError(
+            f"could not build the {spec.scheme!r} partition of {len(labels)} samples into {n} "
+            f"clients ({err}); use fewer clients or a larger alpha"
+        ) from err
+    small = [i for i, part in enumerate(parts) if len(part) < MIN_PARTITION_SIZE]
+    if small:
+        sizes = ", ".join(f"{i}: {len(parts[i])}" for i in small)
+        raise ValueError(
+            f"{spec.scheme!r} partition left clients with fewer than {MIN_PARTITION_SIZE} samples "
+            f"({sizes}); use fewer clients, a larger alpha or more classes per client"
+        )
+    return [np.sort(part) for part in parts]
+
+
+def stratified_split(
+    labels: np.ndarray, test_fraction: float, seed: int | tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of a per-class split: about ``test_fraction`` of every class goes to test.
+
+    A class keeps at least one training sample. Returns sorted (train, test) positions.
+    """
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    test = []
+    for c in np.unique(labels):
+        positions = np.flatnonzero(labels == c)
+        rng.shuffle(positions)
+        n_test = min(int(round(len(positions) * test_fraction)), len(positions) - 1)
+        test.append(positions[:n_test])
+    test_positions = np.sort(np.concatenate(test)) if test else np.empty(0, np.int64)
+    mask = np.ones(len(labels), dtype=bool)
+    mask[test_positions] = False
+    return np.flatnonzero(mask), test_positions
+
+
+def client_split(
+    labels: np.ndarray, partition: np.ndarray, spec: PartitionSpec, partition_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A client's (train, test) sample indices: its partition split per class."""
+    train_pos, test_pos = stratified_split(
+        labels[partition], spec.test_fraction, seed=(spec.seed, partition_id)
+    )
+    if len(test_pos) == 0:
+        raise ValueError(
+            f"partition {partition_id} ({len(partition)} samples) is too small for a local "
+            f"test split at test-fraction={spec.test_fraction}"
+        )
+    return partition[train_pos], partition[test_pos]

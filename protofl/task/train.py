@@ -1,0 +1,104 @@
+"""Local training and evaluation on ready tensors (no DataLoader, no per-sample Python)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy
+ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def get_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def train(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    extra_loss: ExtraLoss | None = None,
+) -> float:
+    """SGD over shuffled mini-batches; returns the mean training loss.
+
+    The batch order comes from ``seed``. A trailing batch of one sample is skipped
+    (BatchNorm cannot train on it).
+    """
+    model.train()
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
+    generator = torch.Generator().manual_seed(seed)
+    n = len(y)
+    total = torch.zeros((), device=x.device)
+    steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator).to(x.device)
+        for start in range(0, n, batch_size):
+            batch = order[start : start + batch_size]
+            if len(batch) == 1 and n > 1:
+                continue
+            features, logits = model(x[batch])
+            loss = F.cross_entropy(logits, y[batch])
+            if extra_loss is not None:
+                loss = loss + extra_loss(features, logits, y[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach()
+            steps += 1
+    return float(total) / max(steps, 1)
+
+
+@torch.no_grad()
+def features_and_logits(
+    model: nn.Module, x: torch.Tensor, batch_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode forward pass over ``x`` in chunks."""
+    model.eval()
+    outputs = [model(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+    return torch.cat([f for f, _ in outputs]), torch.cat([logit for _, logit in outputs])
+
+
+def class_means(
+    features: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-class mean feature (C x d float32, zero rows for absent classes) and class counts."""
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.zeros(num_classes, features.shape[1], device=features.device, dtype=features.dtype)
+    sums.index_add_(0, labels, features)
+    means = sums / counts.clamp(min=1).unsqueeze(1).to(features.dtype)
+    return means.float().cpu().numpy(), counts.cpu().numpy().astype(np.int64)
+
+
+def nearest_prototype(
+    features: torch.Tensor, prototypes: torch.Tensor, available: torch.Tensor
+) -> torch.Tensor:
+    """Predicted class = the nearest available prototype (Euclidean)."""
+    distances = torch.cdist(features, prototypes.to(features.dtype))
+    distances[:, ~available] = float("inf")
+    return distances.argmin(dim=1)
+
+
+def head_loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    """Mean cross-entropy and number of correct head predictions."""
+    loss = F.cross_entropy(logits, y).item() if len(y) else 0.0
+    return loss, int((logits.argmax(dim=1) == y).sum())
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(loss, accuracy) of the classifier head on (x, y)."""
+    _, logits = features_and_logits(model, x)
+    loss, correct = head_loss_and_correct(logits, y)
+    return loss, correct / max(len(y), 1)

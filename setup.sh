@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One-time set-up: a virtual environment with pinned dependencies, and a project-local Flower
+# home whose default simulation has 10 SuperNodes. Usage: ./setup.sh [python]
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${1:-python3}
+root=$PWD
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+
+# Activating the venv also points Flower at this project's own home (.flwr/) and turns off
+# Flower's per-run dependency installation (it would download CUDA torch into a fresh venv).
+marker="# protofl environment"
+if ! grep -q "$marker" .venv/bin/activate; then
+  cat >> .venv/bin/activate <<ACTIVATE
+$marker
+export FLWR_HOME="$root/.flwr"
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+ACTIVATE
+fi
+
+mkdir -p .flwr
+if [ ! -f .flwr/config.toml ]; then
+  cat > .flwr/config.toml <<'TOML'
+# Flower configuration for this checkout (FLWR_HOME=.flwr, set by .venv/bin/activate).
+[superlink]
+default = "local"
+
+[superlink.local]
+address = ":local:"
+# `flwr run .` simulates 10 clients on the CPU. Flower 1.41+ prints a deprecation note for
+# `options.*`; per run, `--federation-config "num-supernodes=..."` overrides these values.
+options.num-supernodes = 10
+options.backend.client-resources.num-cpus = 1
+options.backend.client-resources.num-gpus = 0.0
+TOML
+fi
+echo "protofl is set up: run 'source .venv/bin/activate', then 'flwr run .' or 'pytest'."

@@ -1,0 +1,107 @@
+"""Server-side math on hand-computed numbers."""
+
+import numpy as np
+import pytest
+import torch
+
+from protofl.report import personalized_stats, summarize
+from protofl.strategies.base import client_seed, sample_partitions, weighted_average
+from protofl.strategies.fedproto import aggregate_prototypes, prototype_loss
+
+# two clients, three classes, 2-d features; nobody holds class 2 (client A's row is junk)
+PROTOTYPES = np.array(
+    [
+        [[1.0, 0.0], [0.0, 2.0], [9.0, 9.0]],
+        [[3.0, 2.0], [4.0, 0.0], [0.0, 0.0]],
+    ],
+    dtype=np.float32,
+)
+COUNTS = np.array([[3, 1, 0], [1, 3, 0]])
+
+
+def test_fedproto_count_weighted_prototypes():
+    global_prototypes, mask = aggregate_prototypes(PROTOTYPES, COUNTS, "count")
+    # class 0: (3*[1,0] + 1*[3,2]) / 4 ; class 1: (1*[0,2] + 3*[4,0]) / 4
+    np.testing.assert_allclose(global_prototypes, [[1.5, 0.5], [3.0, 0.5], [0.0, 0.0]])
+    assert mask.tolist() == [True, True, False]
+    assert global_prototypes.dtype == np.float32
+
+
+def test_fedproto_uniform_prototypes():
+    global_prototypes, mask = aggregate_prototypes(PROTOTYPES, COUNTS, "uniform")
+    np.testing.assert_allclose(global_prototypes, [[2.0, 1.0], [2.0, 1.0], [0.0, 0.0]])
+    assert mask.tolist() == [True, True, False]
+
+
+def test_fedproto_class_held_by_one_client_is_that_clients_prototype():
+    counts = np.array([[3, 0, 0], [1, 3, 0]])
+    global_prototypes, _ = aggregate_prototypes(PROTOTYPES, counts, "count")
+    np.testing.assert_allclose(global_prototypes[1], [4.0, 0.0])
+
+
+def test_fedproto_rejects_unknown_weighting():
+    with pytest.raises(ValueError, match="weighting"):
+        aggregate_prototypes(PROTOTYPES, COUNTS, "median")
+
+
+def test_prototype_loss_hand_computed():
+    features = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    labels = torch.tensor([0, 2])
+    prototypes = torch.tensor([[0.0, 0.0], [5.0, 5.0], [1.0, 1.0]])
+    mask = torch.tensor([True, True, False])
+    # sample 0: (1-0)^2 + (2-0)^2 = 5; sample 1 has no global prototype -> 0; / (2*2)
+    assert prototype_loss(features, labels, prototypes, mask).item() == pytest.approx(1.25)
+
+
+def test_weighted_average_hand_computed_and_keeps_dtypes():
+    client_a = [np.array([1.0, 2.0], np.float32), np.array([2], np.int64)]
+    client_b = [np.array([5.0, 6.0], np.float32), np.array([4], np.int64)]
+    averaged = weighted_average([client_a, client_b], [1, 3])
+    np.testing.assert_allclose(averaged[0], [4.0, 5.0])
+    assert averaged[0].dtype == np.float32 and averaged[1].dtype == np.int64
+    assert weighted_average([client_a, client_b], [1, 1])[1].tolist() == [3]
+
+
+def test_personalized_stats_hand_computed():
+    stats = personalized_stats([9, 5, 0], [10, 10, 5])
+    assert stats["accuracy"] == pytest.approx(14 / 25)
+    assert stats["mean"] == pytest.approx((0.9 + 0.5 + 0.0) / 3)
+    assert stats["std"] == pytest.approx(np.sqrt((0.4333333**2 + 0.0333333**2 + 0.4666667**2) / 3), rel=1e-5)
+    assert stats["worst10"] == 0.0  # ceil(10 % of 3) = 1 client
+
+
+def test_worst10_averages_the_lowest_tenth():
+    correct = list(range(20))  # accuracies 0.00 .. 0.95
+    assert personalized_stats(correct, [20] * 20)["worst10"] == pytest.approx((0 + 1) / 20 / 2)
+
+
+def test_summarize_final_best_last10_skip_unmeasured_rounds():
+    rounds = [{"round": r, "acc": (None if r % 2 else r / 100)} for r in range(1, 31)]
+    rounds[-1]["acc"] = 0.05  # round 30: worse than the best
+    summary = summarize(rounds, "acc")
+    assert summary["final"] == 0.05 and summary["final_round"] == 30
+    assert summary["best"] == 0.28 and summary["best_round"] == 28
+    measured = [r / 100 for r in range(12, 30, 2)] + [0.05]  # last 10 measured values
+    assert summary["last10_mean"] == pytest.approx(np.mean(measured))
+    assert summarize([{"round": 1, "acc": None}], "acc") is None
+
+
+def test_sampling_is_seeded_by_seed_and_round_not_by_id_order():
+    ids = list(range(20))
+    first = sample_partitions(ids, 0.5, 2, seed=7, server_round=3)
+    assert first == sample_partitions(list(reversed(ids)), 0.5, 2, seed=7, server_round=3)
+    assert len(first) == 10 and len(set(first)) == 10 and set(first) <= set(ids)
+    other_rounds = [sample_partitions(ids, 0.5, 2, seed=7, server_round=r) for r in range(4, 10)]
+    assert any(s != first for s in other_rounds)
+    assert sample_partitions(ids, 0.5, 2, seed=8, server_round=3) != first
+
+
+def test_sampling_respects_min_clients_and_available_ids():
+    assert len(sample_partitions([3, 5, 9], 0.1, 2, seed=0, server_round=1)) == 2
+    assert sample_partitions([4], 0.5, 2, seed=0, server_round=1) == [4]
+
+
+def test_client_seeds_differ_per_client_and_round():
+    seeds = {client_seed(0, r, p) for r in range(1, 4) for p in range(5)}
+    assert len(seeds) == 15
+    assert client_seed(0, 1, 1) == client_seed(0, 1, 1)

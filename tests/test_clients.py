@@ -1,0 +1,81 @@
+"""Client rules on real digits data, without Flower's runtime."""
+
+import numpy as np
+import torch
+from flwr.app import RecordDict
+
+from protofl.config import ExperimentConfig
+from protofl.strategies.base import ArraySpec, decode_array, encode_array, get_weights
+from protofl.strategies.fedavg import FedAvgClient
+from protofl.strategies.fedproto import FedProtoClient
+from protofl.task.data import load_client_data
+from protofl.task.models import build_model
+from protofl.task.train import class_means, features_and_logits
+
+CONFIG = ExperimentConfig(method="fedproto", local_epochs=1, options={"lambda": 1.0})
+SPEC = CONFIG.partition_spec(4)
+
+
+def make_client(cls, state, config=CONFIG, partition=1):
+    data = load_client_data("digits", "", SPEC, partition)
+    return cls(config, data, build_model("cnn", 1, 10, 16, seed=0), 4, state)
+
+
+def test_fedproto_uploads_class_means_of_its_trained_model_and_keeps_it():
+    state = RecordDict()
+    client = make_client(FedProtoClient, state)
+    parameters, n, metrics = client.fit([], {"server-round": 1, "seed": 3})
+    assert parameters == [] and n == client.data.num_train and metrics["partition-id"] == 1
+    prototypes = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
+    counts = decode_array(metrics["class-counts"], ArraySpec((10,), ("int64",)), 1 << 24)
+    np.testing.assert_array_equal(counts, client.data.class_counts())
+    features, _ = features_and_logits(client.model, client.data.train_x)
+    expected, _ = class_means(features, client.data.train_y, 10)
+    np.testing.assert_allclose(prototypes, expected, atol=1e-5)
+    assert "model" in state
+
+    # a new client object on the same node (next round) continues from the stored model
+    trained = get_weights(client.model)
+    again = make_client(FedProtoClient, state)
+    again.restore_personal_model()
+    for a, b in zip(trained, get_weights(again.model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fedproto_prototype_loss_pulls_features_toward_global_prototypes():
+    global_prototypes = np.zeros((10, 512), np.float32)
+    mask = np.ones(10, bool)
+    config = {"server-round": 2, "seed": 3, "global-prototypes": encode_array(global_prototypes),
+              "global-prototype-mask": encode_array(mask)}
+
+    def feature_norm(lam):
+        client = make_client(FedProtoClient, RecordDict(), ExperimentConfig(local_epochs=3, options={"lambda": lam}))
+        client.fit([], config)
+        features, _ = features_and_logits(client.model, client.data.train_x)
+        return features.norm(dim=1).mean().item()
+
+    assert feature_norm(10.0) < 0.5 * feature_norm(0.0)
+
+
+def test_fedproto_evaluate_reports_prototype_and_head_predictions():
+    client = make_client(FedProtoClient, RecordDict())
+    _, _, metrics = client.fit([], {"server-round": 1, "seed": 3})
+    prototypes = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
+    mask = decode_array(metrics["class-counts"], ArraySpec((10,), ("int64",)), 1 << 24) > 0
+    config = {"global-prototypes": encode_array(prototypes), "global-prototype-mask": encode_array(mask)}
+    _, n, result = client.evaluate([], config)
+    assert n == client.data.num_test
+    assert result["correct"] == result["correct-prototype"]
+    features, logits = features_and_logits(client.model, client.data.test_x)
+    distances = torch.cdist(features, torch.from_numpy(prototypes))
+    distances[:, ~torch.from_numpy(mask)] = float("inf")
+    assert result["correct-prototype"] == int((distances.argmin(1) == client.data.test_y).sum())
+    assert result["correct-head"] == int((logits.argmax(1) == client.data.test_y).sum())
+
+
+def test_fedavg_client_starts_from_the_parameters_it_receives():
+    client = make_client(FedAvgClient, RecordDict(), ExperimentConfig(lr=0.0))
+    received = [np.full_like(w, 0.01) for w in get_weights(client.model)]
+    returned, _, _ = client.fit(received, {"seed": 1})
+    for a, b in zip(received, returned):
+        np.testing.assert_array_equal(a, b)  # lr 0: nothing moves

@@ -1,0 +1,49 @@
+import tomllib
+from pathlib import Path
+
+import pytest
+from flwr.common.config import flatten_dict
+
+from protofl.config import ExperimentConfig
+from protofl.strategies import METHODS, get_method
+
+PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+RUN_CONFIG = flatten_dict(PYPROJECT["tool"]["flwr"]["app"]["config"])
+
+
+def test_every_default_run_config_key_is_understood():
+    config = ExperimentConfig.from_run_config(RUN_CONFIG)
+    assert (config.method, config.dataset, config.partition) == ("fedavg", "digits", "dirichlet")
+    assert config.options == {"weighted": True}
+
+
+def test_issue_mandated_keys_exist():
+    for key in ("method", "dataset", "partition", "alpha", "num-server-rounds", "fraction-fit", "local-epochs",
+                "batch-size", "lr", "model", "seed", "data-dir", "output-dir"):
+        assert key in RUN_CONFIG, key
+
+
+def test_method_tables_reach_their_method_only():
+    config = ExperimentConfig.from_run_config(RUN_CONFIG | {"method": "fedproto", "fedproto.lambda": 0.5})
+    assert config.option("lambda", 1.0) == 0.5 and "weighted" not in config.options
+
+
+def test_every_registered_method_has_a_strategy_and_client():
+    for name in METHODS:
+        strategy, client = get_method(name)
+        assert strategy.__module__ == client.__module__ == f"protofl.strategies.{name}"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [({"lr-typo": 1}, "unknown run-config key"), ({"partition": "shards"}, "partition must be"),
+     ({"fraction-fit": 0.0}, "fraction-fit"), ({"evaluate-clients": "some"}, "evaluate-clients")],
+)
+def test_bad_values_are_clear_errors(override, message):
+    with pytest.raises(ValueError, match=message):
+        ExperimentConfig.from_run_config(RUN_CONFIG | override)
+
+
+def test_output_directory_is_absolute():
+    config = ExperimentConfig.from_run_config(RUN_CONFIG | {"run-name": "x"})
+    assert config.run_directory().is_absolute() and config.run_directory().name == "x"

@@ -1,0 +1,132 @@
+"""Loaders on small files written in the real on-disk formats."""
+
+import gzip
+import os
+import pickle
+import struct
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from protofl.task import data
+from protofl.task.partition import PartitionSpec
+
+RNG = np.random.default_rng(0)
+
+
+def write_idx(path, array, compress):
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    payload = header + array.astype(np.uint8).tobytes()
+    opener = gzip.open if compress else open
+    with opener(str(path) + (".gz" if compress else ""), "wb") as handle:
+        handle.write(payload)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_fmnist_idx_directory(tmp_path, compress):
+    images = {p: RNG.integers(0, 256, (n, 28, 28)) for p, n in (("train", 50), ("t10k", 20))}
+    labels = {p: RNG.integers(0, 10, len(images[p])) for p in images}
+    for prefix in images:
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", images[prefix], compress)
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", labels[prefix], compress)
+    dataset = data.load_dataset("fmnist", str(tmp_path))
+    assert dataset.train.images.shape == (50, 1, 28, 28) and dataset.test.images.shape == (20, 1, 28, 28)
+    np.testing.assert_array_equal(dataset.train.labels, labels["train"])
+    # pixel 0 -> -1, pixel 255 -> +1
+    expected = images["t10k"][3, 5, 7] / 255.0 * 2 - 1
+    assert dataset.test.images[3, 0, 5, 7] == pytest.approx(expected, abs=1e-6)
+
+
+def test_idx_with_wrong_length_is_refused(tmp_path):
+    path = tmp_path / "bad-idx"
+    path.write_bytes(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 9)
+    with pytest.raises(ValueError, match="header says"):
+        data.read_idx(path)
+
+
+def write_cifar(root, num_classes, train_sizes, test_size):
+    folder = root / ("cifar-10-batches-py" if num_classes == 10 else "cifar-100-python")
+    folder.mkdir()
+    label_key = "labels" if num_classes == 10 else "fine_labels"
+    names = [f"data_batch_{i + 1}" for i in range(len(train_sizes))] if num_classes == 10 else ["train"]
+    batches = {}
+    for name, size in list(zip(names, train_sizes)) + [("test_batch" if num_classes == 10 else "test", test_size)]:
+        batch = {"data": RNG.integers(0, 256, (size, 3072)).astype(np.uint8),
+                 label_key: RNG.integers(0, num_classes, size).tolist(), "filenames": [f"{i}.png" for i in range(size)]}
+        with open(folder / name, "wb") as handle:
+            pickle.dump(batch, handle, protocol=2)
+        batches[name] = batch
+    return batches
+
+
+def test_cifar10_torchvision_layout(tmp_path):
+    batches = write_cifar(tmp_path, 10, [6, 6, 6, 6, 6], 5)
+    dataset = data.load_dataset("cifar10", str(tmp_path))
+    assert dataset.num_classes == 10 and dataset.train.images.shape == (30, 3, 32, 32)
+    assert dataset.test.labels.tolist() == batches["test_batch"]["labels"]
+    # channel-major rows: first 1024 bytes are the red plane
+    red = batches["data_batch_1"]["data"][0, :1024].reshape(32, 32)
+    np.testing.assert_allclose(dataset.train.images[0, 0], red / 255.0 * 2 - 1, atol=1e-6)
+
+
+def test_cifar100_torchvision_layout(tmp_path):
+    batches = write_cifar(tmp_path, 100, [12], 4)
+    dataset = data.load_dataset("cifar100", str(tmp_path))
+    assert dataset.num_classes == 100 and dataset.train.images.shape == (12, 3, 32, 32)
+    assert dataset.train.labels.tolist() == batches["train"]["fine_labels"]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_cifar_file_with_foreign_objects_is_refused(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test"):
+        with open(folder / name, "wb") as handle:
+            pickle.dump({"data": _Payload(), "fine_labels": [0]}, handle, protocol=2)
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        data.load_dataset("cifar100", str(tmp_path))
+
+
+def test_missing_cifar_files_are_named(tmp_path):
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    with pytest.raises(FileNotFoundError, match="data_batch_1"):
+        data.load_dataset("cifar10", str(tmp_path))
+
+
+def test_hub_records_convert_to_arrays():
+    images = RNG.integers(0, 256, (3, 32, 32, 3)).astype(np.uint8)
+    split = datasets.Dataset.from_dict({"img": [Image.fromarray(i) for i in images], "label": [4, 0, 9]})
+    arrays = data.arrays_from_hf(split, "img", "label")
+    assert arrays.images.shape == (3, 3, 32, 32) and arrays.labels.tolist() == [4, 0, 9]
+    np.testing.assert_allclose(arrays.images[1, 2], images[1, :, :, 2] / 255.0 * 2 - 1, atol=1e-6)
+
+
+def test_digits_is_embedded_and_split_once():
+    dataset = data.load_dataset("digits")
+    assert dataset.train.images.shape[1:] == (1, 16, 16)
+    assert len(dataset.train) + len(dataset.test) == 1797
+    assert np.bincount(dataset.test.labels).min() >= 30  # stratified 20 % of every digit
+
+
+def test_unknown_dataset_and_missing_dir_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        data.load_dataset("mnist3d")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.load_dataset("cifar10", str(tmp_path / "nope"))
+
+
+def test_client_data_is_cached_and_partitions_do_not_overlap():
+    spec = PartitionSpec("dirichlet", 4, alpha=0.5, seed=0)
+    first = data.load_client_data("digits", "", spec, 0)
+    assert data.load_client_data("digits", "", spec, 0) is first
+    sizes = [data.load_client_data("digits", "", spec, p) for p in range(4)]
+    assert sum(c.num_train + c.num_test for c in sizes) == len(data.load_dataset("digits").train)
+    assert first.class_counts().sum() == first.num_train
+    with pytest.raises(ValueError, match="partition-id"):
+        data.load_client_data("digits", "", spec, 4)

@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+
+from protofl.task.partition import PartitionSpec, client_split, partition_indices, stratified_split
+
+LABELS = np.repeat(np.arange(10), 200)  # 2,000 samples, 10 balanced classes
+
+
+def classes_per_partition(parts, labels=LABELS):
+    return [len(np.unique(labels[p])) for p in parts]
+
+
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "pathological"])
+def test_partitions_are_disjoint_deterministic_and_seed_dependent(scheme):
+    spec = PartitionSpec(scheme, num_partitions=10, alpha=0.3, classes_per_client=2, seed=1)
+    parts = partition_indices(LABELS, spec)
+    assert len(parts) == 10
+    joined = np.concatenate(parts)
+    assert len(joined) == len(np.unique(joined))  # no sample twice
+    if scheme != "pathological":  # random class assignment may leave a class unused
+        assert len(joined) == len(LABELS)
+    again = partition_indices(LABELS, spec)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    other = partition_indices(LABELS, PartitionSpec(scheme, 10, 0.3, 2, seed=2))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
+
+
+def test_heterogeneity_grows_as_alpha_shrinks():
+    def skew(parts):
+        # mean total-variation distance between a client's label distribution and uniform
+        dists = [np.bincount(LABELS[p], minlength=10) / len(p) for p in parts]
+        return float(np.mean([0.5 * np.abs(d - 0.1).sum() for d in dists]))
+
+    iid = skew(partition_indices(LABELS, PartitionSpec("iid", 10, seed=0)))
+    mild = skew(partition_indices(LABELS, PartitionSpec("dirichlet", 10, alpha=10.0, seed=0)))
+    strong = skew(partition_indices(LABELS, PartitionSpec("dirichlet", 10, alpha=0.1, seed=0)))
+    assert iid < 0.1 < strong
+    assert mild < strong
+
+
+def test_iid_partitions_have_equal_sizes_and_all_classes():
+    parts = partition_indices(LABELS, PartitionSpec("iid", 8, seed=0))
+    assert {len(p) for p in parts} == {250}
+    assert min(classes_per_partition(parts)) == 10
+
+
+def test_pathological_gives_each_client_exactly_k_classes():
+    parts = partition_indices(LABELS, PartitionSpec("pathological", 10, classes_per_client=3, seed=0))
+    assert classes_per_partition(parts) == [3] * 10
+
+
+def test_empty_partition_is_a_clear_error():
+    labels = np.repeat(np.arange(10), 5)  # 50 samples for 40 clients
+    with pytest.raises(ValueError, match="fewer clients"):
+        partition_indices(labels, PartitionSpec("dirichlet", 40, alpha=0.05, seed=0))
+    with pytest.raises(ValueError, match="fewer than"):
+        partition_indices(labels, PartitionSpec("iid", 20, seed=0))
+
+
+def test_stratified_split_takes_a_quarter_of_every_class():
+    labels = np.repeat([0, 1, 2], [40, 8, 1])
+    train, test = stratified_split(labels, 0.25, seed=0)
+    assert np.bincount(labels[test], minlength=3).tolist() == [10, 2, 0]  # a lone sample stays in train
+    assert sorted(np.concatenate([train, test]).tolist()) == list(range(len(labels)))
+
+
+def test_client_split_is_a_split_of_the_partition():
+    spec = PartitionSpec("dirichlet", 5, alpha=0.5, seed=3)
+    parts = partition_indices(LABELS, spec)
+    train, test = client_split(LABELS, parts[2], spec, 2)
+    assert set(train) | set(test) == set(parts[2]) and not set(train) & set(test)
+    assert abs(len(test) / len(parts[2]) - 0.25) < 0.05

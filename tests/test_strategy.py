@@ -1,0 +1,118 @@
+"""Strategy plumbing without Ray: hand-built FitRes/EvaluateRes lists into aggregate_*."""
+
+import json
+
+import numpy as np
+import pytest
+from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
+from flwr.server.client_proxy import ClientProxy
+
+from protofl.config import ExperimentConfig
+from protofl.strategies.base import encode_array
+from protofl.strategies.fedavg import FedAvgStrategy
+from protofl.strategies.fedproto import FedProtoStrategy
+from protofl.task.models import build_model
+
+C, D = 10, 512
+OK = Status(code=Code.OK, message="")
+
+
+class FakeProxy(ClientProxy):
+    def get_properties(self, ins, timeout, group_id): ...
+    def get_parameters(self, ins, timeout, group_id): ...
+    def fit(self, ins, timeout, group_id): ...
+    def evaluate(self, ins, timeout, group_id): ...
+    def reconnect(self, ins, timeout, group_id): ...
+
+
+def make_strategy(cls, tmp_path, **overrides):
+    config = ExperimentConfig(output_dir=str(tmp_path), run_name="run", **overrides)
+    strategy = cls(config, build_model("cnn", 1, C, 16, seed=0), C)
+    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(4)}
+    strategy.sampled = [0, 1, 2, 3]
+    return strategy
+
+
+def proto_result(pid, prototypes, counts, **extra):
+    metrics = {"partition-id": pid, "train-loss": 1.0,
+               "prototypes": encode_array(prototypes), "class-counts": encode_array(counts)}
+    metrics.update(extra)
+    return FakeProxy(str(100 + pid)), FitRes(OK, Parameters(tensors=[], tensor_type="numpy.ndarray"), 10, metrics)
+
+
+def test_malformed_payload_is_dropped_and_round_goes_on(tmp_path, caplog):
+    strategy = make_strategy(FedProtoStrategy, tmp_path)
+    good_a = proto_result(0, np.full((C, D), 1.0, np.float32), np.array([2] + [0] * 9))
+    good_b = proto_result(1, np.full((C, D), 4.0, np.float32), np.array([6] + [0] * 9))
+    garbage = proto_result(2, np.zeros((C, D), np.float32), np.zeros(C, np.int64))
+    garbage[1].metrics["prototypes"] = b"\x93NUMPY-not-really"
+    wrong_shape = proto_result(3, np.zeros((C, D + 1), np.float32), np.ones(C, np.int64))
+    _, metrics = strategy.aggregate_fit(1, [good_a, garbage, good_b, wrong_shape], [])
+    assert metrics["accepted"] == 2
+    np.testing.assert_allclose(strategy.global_prototypes[0], 1.0 * 0.25 + 4.0 * 0.75)
+    assert strategy.prototype_mask.tolist() == [True] + [False] * 9
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "node 102" in messages and "node 103" in messages and "shape" in messages
+    record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
+    assert record["rejected"] == 2 and record["round"] == 1
+    assert record["bytes_up"] == sum(len(v) for _, r in [good_a, garbage, good_b, wrong_shape]
+                                     for v in r.metrics.values() if isinstance(v, bytes))
+
+
+def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
+    strategy = make_strategy(FedProtoStrategy, tmp_path, min_fit_clients=2)
+    good = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
+    missing = proto_result(1, np.ones((C, D), np.float32), np.ones(C, np.int64))
+    del missing[1].metrics["class-counts"]
+    with pytest.raises(RuntimeError, match="only 1 valid client updates, 2 required"):
+        strategy.aggregate_fit(1, [good, missing], [RuntimeError("client crashed")])
+
+
+def test_unknown_partition_id_is_rejected(tmp_path):
+    strategy = make_strategy(FedProtoStrategy, tmp_path, min_fit_clients=1)
+    good = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
+    impostor = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
+    impostor[1].metrics["partition-id"] = 99
+    _, metrics = strategy.aggregate_fit(1, [good, impostor], [])
+    assert metrics["accepted"] == 1
+
+
+def test_fedavg_drops_non_finite_parameters_and_averages_the_rest(tmp_path):
+    strategy = make_strategy(FedAvgStrategy, tmp_path)
+    base = strategy.initial_weights
+
+    def result(pid, scale, n):
+        arrays = [(w * 0 + scale).astype(w.dtype) for w in base]
+        return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(arrays), n,
+                                                 {"partition-id": pid, "train-loss": float(scale)})
+
+    poisoned = result(2, 1.0, 10)
+    arrays = [w.copy() for w in base]
+    arrays[0][0] = np.nan
+    poisoned[1].parameters = ndarrays_to_parameters(arrays)
+    parameters, metrics = strategy.aggregate_fit(1, [result(0, 1.0, 10), result(1, 3.0, 30), poisoned], [])
+    assert metrics["accepted"] == 2
+    from flwr.common import parameters_to_ndarrays
+    averaged = parameters_to_ndarrays(parameters)
+    np.testing.assert_allclose(averaged[0], 2.5)  # (1*10 + 3*30) / 40
+    assert metrics["train-loss"] == pytest.approx(2.5)
+
+
+def test_personalized_metrics_aggregate_across_clients(tmp_path):
+    strategy = make_strategy(FedProtoStrategy, tmp_path)
+
+    def res(correct, total, **extra):
+        return FakeProxy("x"), EvaluateRes(OK, 0.5, total, {"correct": correct, **extra})
+
+    results = [res(9, 10, **{"correct-head": 5}), res(5, 10, **{"correct-head": 5}), res(0, 5, **{"correct-head": 5})]
+    bogus = res(11, 10)  # more correct than tested: ignored
+    loss, metrics = strategy.aggregate_evaluate(1, results + [bogus], [])
+    assert metrics["personalized_accuracy"] == pytest.approx(14 / 25)
+    assert metrics["personalized_accuracy_head"] == pytest.approx(15 / 25)
+    assert metrics["personalized_worst10"] == 0.0
+    assert loss == pytest.approx(0.5)
+
+
+def test_evaluation_runs_every_eval_every_rounds_and_in_the_last(tmp_path):
+    config = ExperimentConfig(eval_every=3, num_server_rounds=10)
+    assert [r for r in range(1, 11) if config.is_eval_round(r)] == [3, 6, 9, 10]
