@@ -335,6 +335,7 @@ class PrototypeStrategy(Strategy):
                 f"round {server_round}: only {len(updates)} valid client updates, "
                 f"{required} required (min-fit-clients); see the warnings above"
             )
+        updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
         new_parameters = self.aggregate_updates(server_round, updates)
         weights = [u.num_examples for u in updates]
         losses = [float(u.metrics.get("train-loss", float("nan"))) for u in updates]
