@@ -81,7 +81,8 @@ class RunRecorder:
         record = self.rounds.setdefault(
             server_round, {key: None for key in ROUND_KEYS} | {"round": server_round}
         )
-        record.update(fields)
+        # JSON has no NaN/inf: a quantity that is not finite was not measured
+        record.update({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in fields.items()})
         return record
 
     def results(self) -> dict[str, Any]:

@@ -1,3 +1,4 @@
+import re
 import tomllib
 from pathlib import Path
 
@@ -47,3 +48,10 @@ def test_bad_values_are_clear_errors(override, message):
 def test_output_directory_is_absolute():
     config = ExperimentConfig.from_run_config(RUN_CONFIG | {"run-name": "x"})
     assert config.run_directory().is_absolute() and config.run_directory().name == "x"
+
+
+def test_task_package_does_not_import_flower():
+    task = Path(__file__).resolve().parents[1] / "protofl" / "task"
+    pattern = re.compile(r"^\s*(from|import)\s+flwr(\.|\s|$)", re.MULTILINE)
+    offenders = [p.name for p in task.glob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []

@@ -18,8 +18,8 @@ def test_models_return_512_d_features_and_logits(name, channels, size, classes):
 
 def test_same_seed_same_initial_weights():
     a, b, c = (build_model("cnn", 1, 10, 28, seed=s) for s in (1, 1, 2))
-    for (ka, va), vb, vc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
-        assert torch.equal(va, vb), ka
+    for (name, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(va, vb), name
     assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
 
 

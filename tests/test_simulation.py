@@ -3,7 +3,6 @@
 import json
 import sys
 
-import numpy as np
 import pytest
 import ray.cloudpickle
 from flwr.client import ClientApp

@@ -68,13 +68,16 @@ def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
         strategy.aggregate_fit(1, [good, missing], [RuntimeError("client crashed")])
 
 
-def test_unknown_partition_id_is_rejected(tmp_path):
+def test_updates_must_come_from_the_node_holding_the_partition(tmp_path, caplog):
     strategy = make_strategy(FedProtoStrategy, tmp_path, min_fit_clients=1)
     good = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
-    impostor = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
-    impostor[1].metrics["partition-id"] = 99
-    _, metrics = strategy.aggregate_fit(1, [good, impostor], [])
+    unknown = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
+    unknown[1].metrics["partition-id"] = 99
+    impostor = (FakeProxy("101"), proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))[1])
+    nan_loss = proto_result(2, np.ones((C, D), np.float32), np.ones(C, np.int64), **{"train-loss": float("nan")})
+    _, metrics = strategy.aggregate_fit(1, [good, unknown, impostor, nan_loss], [])
     assert metrics["accepted"] == 1
+    assert "node 101" in caplog.text and "train-loss" in caplog.text
 
 
 def test_fedavg_drops_non_finite_parameters_and_averages_the_rest(tmp_path):

@@ -288,13 +288,16 @@ class PrototypeStrategy(Strategy):
         log(INFO, "round %d: training partitions %s", server_round, self.sampled)
         return instructions
 
-    def _parse_fit_result(self, res: FitRes) -> ClientUpdate:
+    def _parse_fit_result(self, proxy: ClientProxy, res: FitRes) -> ClientUpdate:
         metrics = dict(res.metrics)
         pid = metrics.get("partition-id")
-        if not isinstance(pid, int) or pid not in self.partitions:
-            raise PayloadError(f"unknown partition-id {pid!r}")
+        if not isinstance(pid, int) or pid not in self.partitions or self.partitions[pid].cid != proxy.cid:
+            raise PayloadError(f"partition-id {pid!r} is not the partition this node reported")
         if not isinstance(res.num_examples, int) or res.num_examples < 1:
             raise PayloadError(f"num_examples must be a positive int, got {res.num_examples!r}")
+        loss = metrics.get("train-loss")
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            raise PayloadError(f"train-loss must be a finite number, got {loss!r}")
         parameters: list[np.ndarray] = []
         if self.has_global_model:
             try:
@@ -326,7 +329,7 @@ class PrototypeStrategy(Strategy):
         updates: list[ClientUpdate] = []
         for proxy, res in results:
             try:
-                updates.append(self._parse_fit_result(res))
+                updates.append(self._parse_fit_result(proxy, res))
             except PayloadError as err:
                 log(WARNING, "round %d: dropped the update of node %s: %s", server_round, proxy.cid, err)
         required = min(self.config.min_fit_clients, len(self.sampled))
@@ -338,9 +341,8 @@ class PrototypeStrategy(Strategy):
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
         new_parameters = self.aggregate_updates(server_round, updates)
         weights = [u.num_examples for u in updates]
-        losses = [float(u.metrics.get("train-loss", float("nan"))) for u in updates]
-        train_loss = float(np.average(losses, weights=weights))
-        self.recorder.update(
+        train_loss = float(np.average([u.metrics["train-loss"] for u in updates], weights=weights))
+        record = self.recorder.update(
             server_round,
             train_loss=train_loss,
             bytes_up=sum(parameters_bytes(res.parameters) + payload_bytes(res.metrics) for _, res in results),
@@ -349,6 +351,8 @@ class PrototypeStrategy(Strategy):
             seconds=time.perf_counter() - self.round_started,
         )
         self.recorder.write()
+        if not self.config.is_eval_round(server_round):
+            log(INFO, "round %d: %s", server_round, _progress(record))
         parameters = ndarrays_to_parameters(new_parameters if new_parameters is not None else [])
         return parameters, {"train-loss": train_loss, "accepted": len(updates)}
 
@@ -394,8 +398,6 @@ class PrototypeStrategy(Strategy):
         valid = [res for _, res in results if _valid_evaluation(res)]
         if len(valid) < len(results):
             log(WARNING, "round %d: ignored %d malformed evaluation results", server_round, len(results) - len(valid))
-        if not valid:
-            return None, {}
         totals = [res.num_examples for res in valid]
         fields: dict[str, Any] = {}
         for key in sorted({k for res in valid for k in res.metrics if k.startswith("correct")}):
@@ -412,7 +414,7 @@ class PrototypeStrategy(Strategy):
                     personalized_std=stats["std"],
                     personalized_worst10=stats["worst10"],
                 )
-        loss = float(np.average([res.loss for res in valid], weights=totals))
+        loss = float(np.average([res.loss for res in valid], weights=totals)) if valid else None
         record = self.recorder.update(
             server_round, personalized_loss=loss, seconds=time.perf_counter() - self.round_started, **fields
         )

@@ -96,9 +96,3 @@ def head_loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[float,
     loss = F.cross_entropy(logits, y).item() if len(y) else 0.0
     return loss, int((logits.argmax(dim=1) == y).sum())
 
-
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(loss, accuracy) of the classifier head on (x, y)."""
-    _, logits = features_and_logits(model, x)
-    loss, correct = head_loss_and_correct(logits, y)
-    return loss, correct / max(len(y), 1)
