@@ -33,7 +33,10 @@ def machine_description() -> str:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.node()}: {os.cpu_count()} CPUs, {device}, torch {torch.__version__}, Python {platform.python_version()}"
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPUs, {device}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def flwr_executable() -> str:

@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if rounds < 2:
         parser.error("need at least 2 rounds (round 1 is warm-up)")
 
-    run_config = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                          for k, v in overrides.items())
+    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())  # JSON scalars are TOML
     federation = f"num-supernodes={args.num_clients} {args.federation_config}".strip()
     flower_results, flower_wall = run_with_flower("flower", run_config, federation, out)
     if flower_results is None:
@@ -111,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "overhead.json").write_text(json.dumps(summary, indent=2))
     print(
         f"\nFlower round {flower_mean:.2f} s | bare PyTorch loop {bare_mean:.2f} s | ratio {summary['ratio']:.3f} "
-        f"(rounds 2-{rounds}; `flwr run` wall time incl. start-up {flower_wall:.0f} s)\nwritten: {out / 'overhead.json'}"
+        f"(rounds 2-{rounds}; `flwr run` wall time incl. start-up {flower_wall:.0f} s)\n"
+        f"written: {out / 'overhead.json'}"
     )
     return 0
 

@@ -93,7 +93,10 @@ def test_fedavg_drops_non_finite_parameters_and_averages_the_rest(tmp_path):
     arrays = [w.copy() for w in base]
     arrays[0][0] = np.nan
     poisoned[1].parameters = ndarrays_to_parameters(arrays)
-    parameters, metrics = strategy.aggregate_fit(1, [result(0, 1.0, 10), result(1, 3.0, 30), poisoned], [])
+    truncated = result(3, 1.0, 10)
+    truncated[1].parameters.tensors.pop()
+    results = [result(0, 1.0, 10), result(1, 3.0, 30), poisoned, truncated]
+    parameters, metrics = strategy.aggregate_fit(1, results, [])
     assert metrics["accepted"] == 2
     from flwr.common import parameters_to_ndarrays
     averaged = parameters_to_ndarrays(parameters)

@@ -87,16 +87,24 @@ def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
         raise PayloadError(f"{len(blob)} bytes exceeds the cap of {max_bytes}")
     if not blob.startswith(NPY_MAGIC):
         raise PayloadError("not a .npy array")
+    # Check the header before loading: a header may claim any shape, and loading allocates it.
+    stream = io.BytesIO(blob)
+    try:
+        major, _ = np.lib.format.read_magic(stream)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(stream)
+    except (ValueError, OSError, EOFError, SyntaxError) as err:
+        raise PayloadError(f"unreadable array header ({err})") from None
+    if dtype.name not in spec.dtypes:
+        raise PayloadError(f"dtype {dtype} not in {spec.dtypes}")
+    if len(shape) != len(spec.shape) or any(want is not None and want != got for want, got in zip(spec.shape, shape)):
+        raise PayloadError(f"shape {shape} does not match {spec.shape}")
+    if len(blob) - stream.tell() != math.prod(shape) * dtype.itemsize:
+        raise PayloadError(f"data size does not match the header's shape {shape}")
     try:
         array = np.load(io.BytesIO(blob), allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
         raise PayloadError(f"unreadable array ({err})") from None
-    if array.dtype.name not in spec.dtypes:
-        raise PayloadError(f"dtype {array.dtype} not in {spec.dtypes}")
-    if len(array.shape) != len(spec.shape) or any(
-        want is not None and want != got for want, got in zip(spec.shape, array.shape)
-    ):
-        raise PayloadError(f"shape {array.shape} does not match {spec.shape}")
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise PayloadError("non-finite values")
     if spec.nonnegative and (array < 0).any():
@@ -300,14 +308,16 @@ class PrototypeStrategy(Strategy):
             raise PayloadError(f"train-loss must be a finite number, got {loss!r}")
         parameters: list[np.ndarray] = []
         if self.has_global_model:
-            try:
-                parameters = parameters_to_ndarrays(res.parameters)
-            except (ValueError, OSError, EOFError) as err:
-                raise PayloadError(f"unreadable parameters ({err})") from None
-            if [p.shape for p in parameters] != [w.shape for w in self.initial_weights]:
-                raise PayloadError("parameter shapes do not match the global model")
-            if not all(np.isfinite(p).all() for p in parameters if p.dtype.kind == "f"):
-                raise PayloadError("non-finite parameters")
+            if len(res.parameters.tensors) != len(self.initial_weights):
+                raise PayloadError(
+                    f"{len(res.parameters.tensors)} parameter arrays, expected {len(self.initial_weights)}"
+                )
+            for i, (tensor, reference) in enumerate(zip(res.parameters.tensors, self.initial_weights)):
+                spec = ArraySpec(reference.shape, (reference.dtype.name,))
+                try:
+                    parameters.append(decode_array(tensor, spec, self.max_payload_bytes))
+                except PayloadError as err:
+                    raise PayloadError(f"parameter array {i}: {err}") from None
         payload = {}
         for key, spec in self.upload_spec().items():
             if key not in metrics:
@@ -489,7 +499,8 @@ def _progress(record: Mapping[str, Any]) -> str:
         parts.append(f"PM {record['personalized_accuracy']:.4f} (std {record['personalized_std']:.4f})")
     if record.get("train_loss") is not None:
         parts.append(f"train loss {record['train_loss']:.4f}")
-    parts.append(f"up {(record.get('bytes_up') or 0) / 1e6:.2f} MB, down {(record.get('bytes_down') or 0) / 1e6:.2f} MB")
+    up, down = (record.get("bytes_up") or 0) / 1e6, (record.get("bytes_down") or 0) / 1e6
+    parts.append(f"up {up:.2f} MB, down {down:.2f} MB")
     parts.append(f"{record.get('seconds') or 0:.1f} s")
     return " | ".join(parts)
 
