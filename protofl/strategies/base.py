@@ -352,13 +352,14 @@ class PrototypeStrategy(Strategy):
         new_parameters = self.aggregate_updates(server_round, updates)
         weights = [u.num_examples for u in updates]
         train_loss = float(np.average([u.metrics["train-loss"] for u in updates], weights=weights))
+        elapsed = time.perf_counter() - self.round_started
         record = self.recorder.update(
             server_round,
             train_loss=train_loss,
             bytes_up=sum(parameters_bytes(res.parameters) + payload_bytes(res.metrics) for _, res in results),
             rejected=len(results) - len(updates) + len(failures),
-            fit_seconds=time.perf_counter() - self.round_started,
-            seconds=time.perf_counter() - self.round_started,
+            fit_seconds=elapsed,
+            seconds=elapsed,
         )
         self.recorder.write()
         if not self.config.is_eval_round(server_round):
