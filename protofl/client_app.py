@@ -8,9 +8,8 @@ from flwr.client import Client, ClientApp
 from flwr.common import Context
 
 from protofl.config import ExperimentConfig
-from protofl.strategies import get_method
+from protofl.strategies import build_method_model, get_method
 from protofl.task.data import load_client_data, load_dataset
-from protofl.task.models import build_model
 from protofl.task.train import get_device
 
 
@@ -24,7 +23,7 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         dataset = load_dataset(config.dataset, config.data_dir)
         spec = config.partition_spec(num_partitions)
         data = load_client_data(config.dataset, config.data_dir, spec, partition_id, str(get_device()))
-        model = build_model(config.model, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
+        model = build_method_model(config, dataset)
         _, client_class = get_method(config.method)
         return client_class(config, data, model, num_partitions, context.state).to_client()
 

@@ -35,11 +35,15 @@ class ExperimentConfig:
     local_epochs: int = 2
     batch_size: int = 10
     lr: float = 0.05
+    lr_decay: float = 1.0
     momentum: float = 0.0
     weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
     model: str = "cnn"
     seed: int = 0
     max_payload_mb: float = 64.0
+    global_test_pm: bool = True
+    global_test_pm_per_class: int = 0
     output_dir: str = "~/protofl-runs"
     run_name: str = ""
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -77,6 +81,14 @@ class ExperimentConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
         if self.eval_every < 1:
             raise ValueError("eval-every must be >= 1")
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ValueError(f"lr-decay must be in (0, 1], got {self.lr_decay}")
+        if self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:
+            raise ValueError("max-grad-norm and global-test-pm-per-class must be >= 0")
+
+    def round_lr(self, server_round: int) -> float:
+        """The client learning rate of a round: lr * lr-decay^(round - 1)."""
+        return self.lr * self.lr_decay ** (max(server_round, 1) - 1)
 
     def option(self, key: str, default: Any) -> Any:
         """A value from this method's nested run-config table."""

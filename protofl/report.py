@@ -27,7 +27,7 @@ ROUND_KEYS = (
     "bytes_down",
     "seconds",
 )
-SUMMARY_KEYS = ("global_accuracy", "personalized_accuracy")
+SUMMARY_KEYS = ("global_accuracy", "personalized_accuracy", "pm_l", "pm_v")
 
 
 def personalized_stats(correct: Sequence[int], totals: Sequence[int]) -> dict[str, float]:
@@ -49,6 +49,21 @@ def personalized_stats(correct: Sequence[int], totals: Sequence[int]) -> dict[st
         "std": float(per_client.std()),
         "worst10": float(np.sort(per_client)[:k].mean()),
     }
+
+
+def class_weighted_accuracy(
+    correct_per_class: Sequence[float], tested_per_class: Sequence[float], class_weights: Sequence[float]
+) -> float:
+    """sum_c w_c a_c / sum_c w_c T_c: accuracy on a test set whose classes are reweighted.
+
+    FedNH's per-client accuracy on the balanced global test set: PM(L) takes w = the client's
+    training label distribution, PM(V) w = 1 for the classes the client holds.
+    """
+    weights = np.asarray(class_weights, dtype=float)
+    tested = float(weights @ np.asarray(tested_per_class, dtype=float))
+    if tested <= 0:
+        raise ValueError("no test samples in the weighted classes")
+    return float(weights @ np.asarray(correct_per_class, dtype=float)) / tested
 
 
 def summarize(rounds: Iterable[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -149,27 +164,35 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
-    """Markdown table of GM and PM (final / best / last-10 mean), PM std, traffic and time."""
-    header = (
-        "| method | GM final | GM best (round) | GM last-10 | PM final | PM best (round) | PM last-10 "
-        "| PM std (final) | MB up+down / round | s / round |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
-    )
-    lines = []
+    """Markdown table: GM and PM final / best / last-10 mean, PM std, PM(L) and PM(V) (final and
+    last-10, when measured), traffic and time."""
+    measured = [key for key in ("pm_l", "pm_v") if any(r["summary"].get(key) for r in runs.values())]
+    columns = ["method"]
+    for name in ("GM", "PM"):
+        columns += [f"{name} final", f"{name} best (round)", f"{name} last-10"]
+    columns.append("PM std (final)")
+    for key in measured:
+        name = "PM(L)" if key == "pm_l" else "PM(V)"
+        columns += [f"{name} final", f"{name} last-10"]
+    columns += ["MB up+down / round", "s / round"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for label, results in runs.items():
-        rounds = results["rounds"]
+        rounds, summary = results["rounds"], results["summary"]
         cells = [label]
-        for key in SUMMARY_KEYS:
-            s = results["summary"].get(key)
+        for key in ("global_accuracy", "personalized_accuracy"):
+            s = summary.get(key)
             if s is None:
                 cells += ["–", "–", "–"]
             else:
                 cells += [_fmt(s["final"]), f"{_fmt(s['best'])} ({s['best_round']})", _fmt(s["last10_mean"])]
         final_std = [r["personalized_std"] for r in rounds if r.get("personalized_std") is not None]
         cells.append(_fmt(final_std[-1] if final_std else None))
+        for key in measured:
+            s = summary.get(key)
+            cells += [_fmt(s["final"]), _fmt(s["last10_mean"])] if s else ["–", "–"]
         traffic = [(r["bytes_up"] or 0) + (r["bytes_down"] or 0) for r in rounds]
         cells.append(_fmt(np.mean(traffic) / 1e6 if traffic else None, 3))
         seconds = [r["seconds"] for r in rounds if r.get("seconds") is not None]
         cells.append(_fmt(float(np.mean(seconds)) if seconds else None, 2))
         lines.append("| " + " | ".join(cells) + " |")
-    return header + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"

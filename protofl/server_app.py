@@ -10,10 +10,9 @@ from flwr.common.logger import log
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 
 from protofl.config import ExperimentConfig
-from protofl.strategies import get_method
+from protofl.strategies import build_method_model, get_method
 from protofl.strategies.base import PrototypeServer
 from protofl.task.data import load_dataset, load_global_test
-from protofl.task.models import build_model
 from protofl.task.train import get_device
 
 
@@ -24,7 +23,7 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         config = ExperimentConfig.from_run_config(run_config if run_config is not None else context.run_config)
         strategy_class, _ = get_method(config.method)
         dataset = load_dataset(config.dataset, config.data_dir)
-        model = build_model(config.model, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
+        model = build_method_model(config, dataset)
         global_test = load_global_test(config.dataset, config.data_dir, str(get_device()))
         strategy = strategy_class(config, model, dataset.num_classes, global_test)
         log(

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from protofl.report import personalized_stats, summarize
+from protofl.report import class_weighted_accuracy, personalized_stats, summarize
 from protofl.strategies.base import client_seed, sample_partitions, weighted_average
 from protofl.strategies.fedproto import aggregate_prototypes, prototype_loss
 
@@ -73,6 +73,21 @@ def test_personalized_stats_hand_computed():
 def test_worst10_averages_the_lowest_tenth():
     correct = list(range(20))  # accuracies 0.00 .. 0.95
     assert personalized_stats(correct, [20] * 20)["worst10"] == pytest.approx((0 + 1) / 20 / 2)
+
+
+def test_pm_l_and_pm_v_weight_a_confusion_matrix_by_the_clients_classes():
+    # balanced test set, 3 classes x 10 images; rows = true class, columns = predicted
+    confusion = np.array([[9, 1, 0], [4, 5, 1], [0, 10, 0]])
+    correct, tested = np.diag(confusion), confusion.sum(axis=1)
+    train_counts = np.array([6, 2, 0])  # the client holds classes 0 and 1, three times more of 0
+    # PM(L): (6*9 + 2*5) / (6*10 + 2*10) = 64 / 80
+    assert class_weighted_accuracy(correct, tested, train_counts / train_counts.sum()) == pytest.approx(0.8)
+    # PM(V): classes 0 and 1 equally: (9 + 5) / 20
+    assert class_weighted_accuracy(correct, tested, train_counts > 0) == pytest.approx(0.7)
+    # all classes equally: plain accuracy on the balanced set, 14 / 30
+    assert class_weighted_accuracy(correct, tested, np.ones(3)) == pytest.approx(14 / 30)
+    with pytest.raises(ValueError):
+        class_weighted_accuracy(correct, np.array([10, 10, 0]), np.array([0, 0, 1]))
 
 
 def test_summarize_final_best_last10_skip_unmeasured_rounds():

@@ -15,7 +15,25 @@ RUN_CONFIG = flatten_dict(PYPROJECT["tool"]["flwr"]["app"]["config"])
 def test_every_default_run_config_key_is_understood():
     config = ExperimentConfig.from_run_config(RUN_CONFIG)
     assert (config.method, config.dataset, config.partition) == ("fedavg", "digits", "dirichlet")
-    assert config.options == {"weighted": True}
+    assert config.options == {"weighted": True, "personal-model": "global"}
+
+
+def test_fednh_defaults_are_the_papers_and_unknown_options_are_errors():
+    from protofl.strategies.fednh import FedNHOptions
+
+    options = FedNHOptions.from_config(ExperimentConfig.from_run_config(RUN_CONFIG | {"method": "fednh"}))
+    assert (options.rho, options.prototype_init, options.scale, options.learnable_scale) == (0.9, "simplex", 30.0, False)
+    assert options.weighted is False
+    with pytest.raises(ValueError, match="unknown fednh option"):
+        FedNHOptions.from_config(ExperimentConfig(method="fednh", options={"roh": 0.5}))
+    with pytest.raises(ValueError, match="prototype-init"):
+        FedNHOptions.from_config(ExperimentConfig(method="fednh", options={"prototype-init": "random"}))
+
+
+def test_learning_rate_decays_per_round():
+    config = ExperimentConfig(lr=0.01, lr_decay=0.99)
+    assert [config.round_lr(r) for r in (1, 3)] == [0.01, pytest.approx(0.01 * 0.99**2)]
+    assert ExperimentConfig(lr=0.05).round_lr(40) == 0.05
 
 
 def test_issue_mandated_keys_exist():
@@ -38,7 +56,8 @@ def test_every_registered_method_has_a_strategy_and_client():
 @pytest.mark.parametrize(
     "override,message",
     [({"lr-typo": 1}, "unknown run-config key"), ({"partition": "shards"}, "partition must be"),
-     ({"fraction-fit": 0.0}, "fraction-fit"), ({"evaluate-clients": "some"}, "evaluate-clients")],
+     ({"fraction-fit": 0.0}, "fraction-fit"), ({"evaluate-clients": "some"}, "evaluate-clients"),
+     ({"lr-decay": 0.0}, "lr-decay"), ({"max-grad-norm": -1.0}, "max-grad-norm")],
 )
 def test_bad_values_are_clear_errors(override, message):
     with pytest.raises(ValueError, match=message):

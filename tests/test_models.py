@@ -1,19 +1,42 @@
 import pytest
 import torch
+from torch import nn
 
 from protofl.task.models import build_model
 
 
 @pytest.mark.parametrize(
-    "name,channels,size,classes",
-    [("cnn", 1, 16, 10), ("cnn", 1, 28, 10), ("cnn", 3, 32, 100), ("resnet18", 3, 32, 10), ("resnet18", 1, 28, 10)],
+    "name,channels,size,classes,dim",
+    [
+        ("cnn", 1, 16, 10, 512),
+        ("cnn", 1, 28, 10, 512),
+        ("cnn", 3, 32, 100, 512),
+        ("fednh-cnn", 3, 32, 10, 192),
+        ("fednh-cnn", 1, 28, 10, 192),
+        ("resnet18", 3, 32, 10, 512),
+        ("resnet18", 1, 28, 10, 512),
+        ("resnet18-gn", 3, 32, 200, 512),
+    ],
 )
-def test_models_return_512_d_features_and_logits(name, channels, size, classes):
+def test_models_return_features_and_logits(name, channels, size, classes, dim):
     model = build_model(name, channels, classes, size, seed=0)
     features, logits = model(torch.randn(4, channels, size, size))
-    assert features.shape == (4, 512) and logits.shape == (4, classes)
-    assert model.feature_dim == 512
+    assert features.shape == (4, dim) and logits.shape == (4, classes)
+    assert model.feature_dim == dim
     assert torch.equal(model.head(features), logits)
+
+
+def test_fednh_backbones_match_the_paper():
+    conv2cifar = build_model("fednh-cnn", 3, 10, 32, seed=0)
+    # 5x5 convs without padding: 32 -> 28 -> 14 -> 10 -> 5, so 64 * 5 * 5 = 1600 inputs to FC 384
+    assert [m.in_features for m in conv2cifar.body.modules() if isinstance(m, nn.Linear)] == [1600, 384]
+    assert conv2cifar.head.bias is None
+    features, _ = conv2cifar(torch.randn(8, 3, 32, 32))
+    assert (features >= 0).all()  # ReLU before the head
+    resnet = build_model("resnet18-gn", 3, 200, 64, seed=0)
+    norms = [m for m in resnet.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm))]
+    assert norms and all(isinstance(m, nn.GroupNorm) and m.num_groups == 2 for m in norms)
+    assert resnet.head.bias is None and sum(p.numel() for p in resnet.parameters()) > 11_000_000
 
 
 def test_same_seed_same_initial_weights():

@@ -10,6 +10,7 @@ from flwr.server import ServerApp
 from flwr.simulation import run_simulation
 
 from protofl.client_app import make_client_fn
+from protofl.config import ExperimentConfig
 from protofl.report import ROUND_KEYS
 from protofl.server_app import make_server_fn
 
@@ -87,3 +88,20 @@ def test_client_with_malformed_payload_is_dropped_while_the_round_completes(tmp_
         assert record["rejected"] == 1
         assert 0 in record["clients"]
     assert results["rounds"][-1]["personalized_accuracy"] > 0.3
+
+
+def test_fednh_sends_prototypes_both_ways_and_reports_gm_pm_l_pm_v(tmp_path):
+    results = simulate(tmp_path, "nh", method="fednh", model="fednh-cnn", **{"max-grad-norm": 10.0})
+    from protofl.strategies import build_method_model
+    from protofl.task.data import load_dataset
+
+    parameter_bytes = sum(w.nbytes + 128 for w in build_method_model(
+        ExperimentConfig(method="fednh", model="fednh-cnn"), load_dataset("digits")).state_dict().values())
+    prototype_bytes = 10 * 192 * 4 + 128
+    for record in results["rounds"]:
+        assert record["bytes_down"] == 3 * (parameter_bytes + prototype_bytes)  # body + W to each client
+        assert record["bytes_up"] == 3 * (parameter_bytes + prototype_bytes + 10 * 8 + 128)  # + class means, counts
+        assert 0.0 <= record["pm_v"] <= 1.0 and 0.0 <= record["pm_l"] <= 1.0 and record["pm_l_std"] >= 0.0
+    assert results["rounds"][-1]["global_accuracy"] >= 0.5
+    assert results["rounds"][-1]["personalized_accuracy"] >= 0.5
+    assert results["summary"]["pm_l"]["final_round"] == 2

@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
-from flwr.server.client_proxy import ClientProxy
+from fakes import OK, FakeProxy
+from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
 from protofl.config import ExperimentConfig
 from protofl.strategies.base import encode_array
@@ -14,15 +14,6 @@ from protofl.strategies.fedproto import FedProtoStrategy
 from protofl.task.models import build_model
 
 C, D = 10, 512
-OK = Status(code=Code.OK, message="")
-
-
-class FakeProxy(ClientProxy):
-    def get_properties(self, ins, timeout, group_id): ...
-    def get_parameters(self, ins, timeout, group_id): ...
-    def fit(self, ins, timeout, group_id): ...
-    def evaluate(self, ins, timeout, group_id): ...
-    def reconnect(self, ins, timeout, group_id): ...
 
 
 def make_strategy(cls, tmp_path, **overrides):
@@ -110,12 +101,19 @@ def test_personalized_metrics_aggregate_across_clients(tmp_path):
     def res(correct, total, **extra):
         return FakeProxy("x"), EvaluateRes(OK, 0.5, total, {"correct": correct, **extra})
 
-    results = [res(9, 10, **{"correct-head": 5}), res(5, 10, **{"correct-head": 5}), res(0, 5, **{"correct-head": 5})]
-    bogus = res(11, 10)  # more correct than tested: ignored
-    loss, metrics = strategy.aggregate_evaluate(1, results + [bogus], [])
+    results = [
+        res(9, 10, **{"correct-head": 5, "pm-l": 0.9, "pm-v": 0.5}),
+        res(5, 10, **{"correct-head": 5, "pm-l": 0.6, "pm-v": 0.4}),
+        res(0, 5, **{"correct-head": 5, "pm-l": 0.0, "pm-v": 0.0}),
+    ]
+    bogus = [res(11, 10), res(1, 10, **{"pm-l": 1.5, "pm-v": 0.5})]  # impossible values: ignored
+    loss, metrics = strategy.aggregate_evaluate(1, results + bogus, [])
     assert metrics["personalized_accuracy"] == pytest.approx(14 / 25)
     assert metrics["personalized_accuracy_head"] == pytest.approx(15 / 25)
     assert metrics["personalized_worst10"] == 0.0
+    # PM(L) / PM(V): unweighted over clients (FedNH's protocol), with the population std
+    assert metrics["pm_l"] == pytest.approx(0.5) and metrics["pm_v"] == pytest.approx(0.3)
+    assert metrics["pm_l_std"] == pytest.approx(np.std([0.9, 0.6, 0.0]))
     assert loss == pytest.approx(0.5)
 
 

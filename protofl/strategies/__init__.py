@@ -1,18 +1,34 @@
 """Method registry: ``method`` in the run config -> (Strategy class, NumPyClient class).
 
-Each method lives whole in its own module, which defines ``STRATEGY`` and ``CLIENT``.
+Each method lives whole in its own module, which defines ``STRATEGY`` and ``CLIENT``, and
+optionally ``prepare_model(model, config)`` when it changes the backbone (e.g. FedNH's head).
 """
 
 from __future__ import annotations
 
 import importlib
 
-METHODS = ("fedavg", "fedproto")
+from protofl.config import ExperimentConfig
+from protofl.task.data import Dataset
+from protofl.task.models import SplitModel, build_model
+
+METHODS = ("fedavg", "fedproto", "fednh")
+
+
+def _module(name: str):
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {name!r}")
+    return importlib.import_module(f"protofl.strategies.{name}")
 
 
 def get_method(name: str):
     """(Strategy class, client class) of a method."""
-    if name not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {name!r}")
-    module = importlib.import_module(f"protofl.strategies.{name}")
+    module = _module(name)
     return module.STRATEGY, module.CLIENT
+
+
+def build_method_model(config: ExperimentConfig, dataset: Dataset) -> SplitModel:
+    """The configured backbone with the method's changes; identical on the server and every client."""
+    model = build_model(config.model, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
+    prepare = getattr(_module(config.method), "prepare_model", None)
+    return prepare(model, config) if prepare is not None else model

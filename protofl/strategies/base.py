@@ -3,7 +3,8 @@
 A method module subclasses :class:`PrototypeStrategy` (server rule) and
 :class:`PrototypeClient` (client rule) and overrides only the hooks it needs:
 
-server: ``has_global_model``, ``upload_spec()``, ``broadcast()``, ``aggregate_updates()``
+server: ``has_global_model``, ``upload_spec()``, ``check_update()``, ``broadcast()``,
+``aggregate_updates()``
 client: ``fit()``, ``evaluate()`` (helpers for payloads, seeds and state are here)
 
 Wire format (legacy Flower API): arrays travel as ``np.save(..., allow_pickle=False)`` bytes in
@@ -20,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -43,10 +44,10 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from protofl.config import ExperimentConfig
-from protofl.report import RunRecorder, personalized_stats
-from protofl.task.data import ClientData
+from protofl.report import RunRecorder, class_weighted_accuracy, personalized_stats
+from protofl.task.data import ClientData, load_global_test
 from protofl.task.models import SplitModel
-from protofl.task.train import features_and_logits, head_loss_and_correct
+from protofl.task.train import features_and_logits, head_loss_and_correct, head_prediction
 
 # ---------------------------------------------------------------------------------------
 # Payload codec
@@ -212,6 +213,9 @@ class PrototypeStrategy(Strategy):
         """Arrays each client must send in its fit metrics (key -> spec)."""
         return {}
 
+    def check_update(self, update: ClientUpdate) -> None:
+        """Method-specific checks of a decoded update; raise :class:`PayloadError` to drop it."""
+
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         """Arrays sent to clients in the fit and evaluate config."""
         return {}
@@ -326,7 +330,9 @@ class PrototypeStrategy(Strategy):
                 payload[key] = decode_array(metrics[key], spec, self.max_payload_bytes)
             except PayloadError as err:
                 raise PayloadError(f"{key!r}: {err}") from None
-        return ClientUpdate(pid, res.num_examples, parameters, payload, metrics)
+        update = ClientUpdate(pid, res.num_examples, parameters, payload, metrics)
+        self.check_update(update)
+        return update
 
     def aggregate_fit(
         self,
@@ -425,6 +431,11 @@ class PrototypeStrategy(Strategy):
                     personalized_std=stats["std"],
                     personalized_worst10=stats["worst10"],
                 )
+        for key in ("pm-l", "pm-v"):  # FedNH's PM(L) / PM(V): unweighted over clients, as the paper
+            if valid and all(key in res.metrics for res in valid):
+                values = [float(res.metrics[key]) for res in valid]
+                name = key.replace("-", "_")
+                fields.update({name: float(np.mean(values)), f"{name}_std": float(np.std(values))})
         loss = float(np.average([res.loss for res in valid], weights=totals)) if valid else None
         record = self.recorder.update(
             server_round, personalized_loss=loss, seconds=time.perf_counter() - self.round_started, **fields
@@ -489,6 +500,8 @@ def _valid_evaluation(res: EvaluateRes) -> bool:
             isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= res.num_examples
         ):
             return False
+        if key in ("pm-l", "pm-v") and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+            return False
     return math.isfinite(res.loss)
 
 
@@ -498,6 +511,8 @@ def _progress(record: Mapping[str, Any]) -> str:
         parts.append(f"GM {record['global_accuracy']:.4f}")
     if record.get("personalized_accuracy") is not None:
         parts.append(f"PM {record['personalized_accuracy']:.4f} (std {record['personalized_std']:.4f})")
+    if record.get("pm_l") is not None:
+        parts.append(f"PM(L) {record['pm_l']:.4f} PM(V) {record['pm_v']:.4f}")
     if record.get("train_loss") is not None:
         parts.append(f"train loss {record['train_loss']:.4f}")
     up, down = (record.get("bytes_up") or 0) / 1e6, (record.get("bytes_down") or 0) / 1e6
@@ -523,6 +538,10 @@ def set_weights(model: torch.nn.Module, weights: Sequence[np.ndarray]) -> None:
         {k: torch.as_tensor(np.asarray(w), dtype=v.dtype) for (k, v), w in zip(state.items(), weights)},
         strict=True,
     )
+
+
+# predict(features, logits) -> predicted labels
+Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PrototypeClient(NumPyClient):
@@ -567,9 +586,10 @@ class PrototypeClient(NumPyClient):
         return {
             "epochs": self.config.local_epochs,
             "batch_size": self.config.batch_size,
-            "lr": self.config.lr,
+            "lr": self.config.round_lr(int(config.get("server-round", 1))),
             "momentum": self.config.momentum,
             "weight_decay": self.config.weight_decay,
+            "max_grad_norm": self.config.max_grad_norm,
             "seed": int(config.get("seed", self.config.seed)),
         }
 
@@ -582,16 +602,45 @@ class PrototypeClient(NumPyClient):
         """Load this client's persistent model from ``context.state``; False on the first round."""
         if "model" not in self.state:
             return False
-        self.model.load_state_dict(self.state["model"].to_torch_state_dict())
+        stored = self.state["model"].to_torch_state_dict()
+        self.model.load_state_dict({k: stored[k] for k in self.model.state_dict()})
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():  # also those not in state_dict (a frozen head)
+                buffer.copy_(stored[name])
         return True
 
     def store_personal_model(self) -> None:
+        """Keep the whole model (parameters and every buffer) in ``context.state``."""
         from flwr.app import ArrayRecord
 
-        self.state["model"] = ArrayRecord({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        tensors = dict(self.model.named_buffers()) | self.model.state_dict()
+        self.state["model"] = ArrayRecord({k: v.detach().cpu() for k, v in tensors.items()})
+
+    def global_test_scores(self, predict: Predictor = head_prediction) -> dict[str, Scalar]:
+        """FedNH's PM(L) and PM(V) of the current model on the (balanced) global test set.
+
+        ``predict(features, logits) -> labels`` is the method's predictor. PM(L) weights each class
+        by this client's share of it in training, PM(V) weights the classes it holds equally.
+        Empty when ``global-test-pm`` is off.
+        """
+        if not self.config.global_test_pm:
+            return {}
+        x, y = load_global_test(
+            self.config.dataset, self.config.data_dir, str(self.device), self.config.global_test_pm_per_class
+        )
+        predicted = predict(*features_and_logits(self.model, x))
+        correct = torch.bincount(y[predicted == y], minlength=self.data.num_classes).cpu().numpy()
+        tested = torch.bincount(y, minlength=self.data.num_classes).cpu().numpy()
+        counts = self.data.class_counts()
+        return {
+            "pm-l": class_weighted_accuracy(correct, tested, counts),
+            "pm-v": class_weighted_accuracy(correct, tested, counts > 0),
+        }
 
     def evaluate_head(self) -> tuple[float, int, dict[str, Scalar]]:
-        """The classifier head on the local test split: (loss, num_test, {'correct': ...})."""
+        """The classifier head on the local test split (``correct``) and on the global test set
+        (PM(L)/PM(V)): (loss, num_test, metrics)."""
         _, logits = features_and_logits(self.model, self.data.test_x)
         loss, correct = head_loss_and_correct(logits, self.data.test_y)
-        return loss, self.data.num_test, {"correct": correct, "partition-id": self.data.partition_id}
+        metrics = {"correct": correct, "partition-id": self.data.partition_id, **self.global_test_scores()}
+        return loss, self.data.num_test, metrics

@@ -1,7 +1,9 @@
 """FedAvg (McMahan et al., 2017): sample-weighted parameter averaging.
 
-PM is the global model scored on each client's local test split (PFLlib's convention for
-global-model methods); GM is the same model on the global test set.
+GM is the global model on the global test set. PM is, by default, the same global model scored
+on each client's local test split (PFLlib's convention for global-model methods);
+``personal-model = "local"`` scores instead the client's model right after its local training
+(FedNH's convention for FedAvg's PM).
 """
 
 from __future__ import annotations
@@ -26,14 +28,27 @@ class FedAvgStrategy(PrototypeStrategy):
         return weighted_average([u.parameters for u in updates], weights)
 
 
+PERSONAL_MODELS = ("global", "local")
+
+
 class FedAvgClient(PrototypeClient):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        personal_model = self.config.option("personal-model", "global")
+        if personal_model not in PERSONAL_MODELS:
+            raise ValueError(f"fedavg.personal-model must be one of {PERSONAL_MODELS}, got {personal_model!r}")
+        self.keep_local_model = personal_model == "local"
+
     def fit(self, parameters, config):
         set_weights(self.model, parameters)
         loss = train(self.model, self.data.train_x, self.data.train_y, **self.train_kwargs(config))
+        if self.keep_local_model:
+            self.store_personal_model()
         return get_weights(self.model), self.data.num_train, self.fit_metrics(loss)
 
     def evaluate(self, parameters, config):
-        set_weights(self.model, parameters)
+        if not (self.keep_local_model and self.restore_personal_model()):
+            set_weights(self.model, parameters)
         return self.evaluate_head()
 
 

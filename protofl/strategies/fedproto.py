@@ -28,7 +28,14 @@ from protofl.strategies.base import (
     set_weights,
     weighted_average,
 )
-from protofl.task.train import class_means, features_and_logits, head_loss_and_correct, nearest_prototype, train
+from protofl.task.train import (
+    class_means,
+    features_and_logits,
+    head_loss_and_correct,
+    head_prediction,
+    nearest_prototype,
+    train,
+)
 
 WEIGHTINGS = ("count", "uniform")
 INFERENCES = ("prototype", "head")
@@ -149,13 +156,15 @@ class FedProtoClient(PrototypeClient):
         loss, correct_head = head_loss_and_correct(logits, self.data.test_y)
         metrics = {"partition-id": self.data.partition_id, "correct-head": correct_head}
         received = self._global_prototypes(config)
-        correct = correct_head
+        correct, predict = correct_head, head_prediction
         if received is not None:
             predicted = nearest_prototype(features, *received)
             metrics["correct-prototype"] = int((predicted == self.data.test_y).sum())
             if self.inference == "prototype":
                 correct = metrics["correct-prototype"]
+                predict = lambda f, _logits: nearest_prototype(f, *received)  # noqa: E731
         metrics["correct"] = correct
+        metrics.update(self.global_test_scores(predict))
         return loss, self.data.num_test, metrics
 
 

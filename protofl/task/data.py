@@ -282,8 +282,15 @@ def load_client_data(
     )
 
 
-@functools.lru_cache(maxsize=2)
-def load_global_test(name: str, data_dir: str, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """The global test set as tensors on ``device`` (for GM)."""
+@functools.lru_cache(maxsize=4)
+def load_global_test(
+    name: str, data_dir: str, device: str = "cpu", per_class: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global test set as tensors on ``device``; ``per_class > 0`` keeps only the first
+    ``per_class`` images of each class (a smaller, still balanced, set)."""
     test = load_dataset(name, data_dir).test
-    return torch.from_numpy(test.images).to(device), torch.from_numpy(test.labels).to(device)
+    keep = np.arange(len(test))
+    if per_class > 0:
+        keep = np.concatenate([np.flatnonzero(test.labels == c)[:per_class] for c in np.unique(test.labels)])
+        keep.sort()
+    return torch.from_numpy(test.images[keep]).to(device), torch.from_numpy(test.labels[keep]).to(device)

@@ -6,6 +6,8 @@ so prototype methods can reach the feature space and swap or freeze the head.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -24,38 +26,62 @@ class SplitModel(nn.Module):
         return features, self.head(features)
 
 
-def cnn(in_channels: int, num_classes: int, image_size: int, feature_dim: int = 512) -> SplitModel:
-    """FedAvgCNN (PFLlib): 2 x [conv5x5, ReLU, maxpool2], Linear(-> 512), ReLU, Linear(-> C).
-
-    The flattened size follows the input: 1600 for 32x32x3, 1024 for 28x28x1, 64 for 16x16x1.
-    """
+def _conv_features(in_channels: int, image_size: int, widths: tuple[int, int]) -> tuple[nn.Module, int]:
+    """2 x [conv5x5 (no padding), ReLU, maxpool2], flattened; returns (module, flattened size)."""
     conv = nn.Sequential(
-        nn.Conv2d(in_channels, 32, kernel_size=5),
+        nn.Conv2d(in_channels, widths[0], kernel_size=5),
         nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, kernel_size=5),
+        nn.Conv2d(widths[0], widths[1], kernel_size=5),
         nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
         nn.Flatten(),
     )
     with torch.no_grad():
         flat = conv(torch.zeros(1, in_channels, image_size, image_size)).shape[1]
+    return conv, flat
+
+
+def cnn(in_channels: int, num_classes: int, image_size: int, feature_dim: int = 512) -> SplitModel:
+    """FedAvgCNN (PFLlib): 2 x [conv5x5, ReLU, maxpool2], Linear(-> 512), ReLU, Linear(-> C).
+
+    The flattened size follows the input: 1600 for 32x32x3, 1024 for 28x28x1, 64 for 16x16x1.
+    """
+    conv, flat = _conv_features(in_channels, image_size, (32, 64))
     body = nn.Sequential(conv, nn.Linear(flat, feature_dim), nn.ReLU(inplace=True))
     return SplitModel(body, nn.Linear(feature_dim, num_classes), feature_dim)
 
 
+def fednh_cnn(in_channels: int, num_classes: int, image_size: int) -> SplitModel:
+    """The CNN of FedNH and FedROD ("Conv2Cifar"), 192-d non-negative feature.
+
+    2 x [conv5x5(64), ReLU, maxpool2], Linear(-> 384), ReLU, Linear(-> 192), ReLU; the head is
+    Linear(192, C) without bias, as for every method in FedNH's experiments.
+    """
+    conv, flat = _conv_features(in_channels, image_size, (64, 64))
+    body = nn.Sequential(
+        conv, nn.Linear(flat, 384), nn.ReLU(inplace=True), nn.Linear(384, 192), nn.ReLU(inplace=True)
+    )
+    return SplitModel(body, nn.Linear(192, num_classes, bias=False), 192)
+
+
+Norm = Callable[[int], nn.Module]
+
+
+def group_norm(channels: int) -> nn.Module:
+    return nn.GroupNorm(2, channels)
+
+
 class BasicBlock(nn.Module):
-    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
+    def __init__(self, in_planes: int, planes: int, stride: int, norm: Norm = nn.BatchNorm2d) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
+        self.bn1 = norm(planes)
         self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
+        self.bn2 = norm(planes)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
-            )
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), norm(planes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -63,22 +89,28 @@ class BasicBlock(nn.Module):
         return torch.relu(out + self.shortcut(x))
 
 
-def resnet18(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
-    """ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool), 512-d feature."""
-    layers: list[nn.Module] = [
-        nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False),
-        nn.BatchNorm2d(64),
-        nn.ReLU(inplace=True),
-    ]
+def _resnet18_body(in_channels: int, norm: Norm) -> nn.Module:
+    """CIFAR stem (3x3 conv, stride 1, no max-pool), 4 stages of 2 BasicBlocks, average pool: 512-d."""
+    layers: list[nn.Module] = [nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), norm(64), nn.ReLU(inplace=True)]
     in_planes = 64
     for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [BasicBlock(in_planes, planes, stride), BasicBlock(planes, planes, 1)]
+        layers += [BasicBlock(in_planes, planes, stride, norm), BasicBlock(planes, planes, 1, norm)]
         in_planes = planes
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-    return SplitModel(nn.Sequential(*layers), nn.Linear(512, num_classes), 512)
+    return nn.Sequential(*layers)
 
 
-MODELS = {"cnn": cnn, "resnet18": resnet18}
+def resnet18(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+    """ResNet-18 with the CIFAR stem and BatchNorm, 512-d feature, Linear(512, C) head."""
+    return SplitModel(_resnet18_body(in_channels, nn.BatchNorm2d), nn.Linear(512, num_classes), 512)
+
+
+def resnet18_gn(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+    """FedNH's ResNet-18: GroupNorm(2 groups) instead of BatchNorm, bias-free Linear(512, C) head."""
+    return SplitModel(_resnet18_body(in_channels, group_norm), nn.Linear(512, num_classes, bias=False), 512)
+
+
+MODELS = {"cnn": cnn, "fednh-cnn": fednh_cnn, "resnet18": resnet18, "resnet18-gn": resnet18_gn}
 
 
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int, seed: int) -> SplitModel:

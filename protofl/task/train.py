@@ -28,17 +28,18 @@ def train(
     seed: int,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
+    max_grad_norm: float = 0.0,
     extra_loss: ExtraLoss | None = None,
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
     The batch order comes from ``seed``. A trailing batch of one sample is skipped
-    (BatchNorm cannot train on it).
+    (BatchNorm cannot train on it). ``max_grad_norm > 0`` clips the total gradient norm.
+    Only parameters with ``requires_grad`` are optimised (buffers, e.g. a frozen head, never are).
     """
     model.train()
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-    )
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     n = len(y)
     total = torch.zeros((), device=x.device)
@@ -55,6 +56,8 @@ def train(
                 loss = loss + extra_loss(features, logits, y[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
             optimizer.step()
             total += loss.detach()
             steps += 1
@@ -89,6 +92,11 @@ def nearest_prototype(
     distances = torch.cdist(features, prototypes.to(features.dtype))
     distances[:, ~available] = float("inf")
     return distances.argmin(dim=1)
+
+
+def head_prediction(features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Predicted class = the classifier head's argmax."""
+    return logits.argmax(dim=1)
 
 
 def head_loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
