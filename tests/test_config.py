@@ -22,8 +22,8 @@ def test_fednh_defaults_are_the_papers_and_unknown_options_are_errors():
     from protofl.strategies.fednh import FedNHOptions
 
     options = FedNHOptions.from_config(ExperimentConfig.from_run_config(RUN_CONFIG | {"method": "fednh"}))
-    assert (options.rho, options.prototype_init, options.scale, options.learnable_scale) == (0.9, "simplex", 30.0, False)
-    assert options.weighted is False
+    assert (options.rho, options.prototype_init, options.prototype_means) == (0.9, "simplex", "normalized")
+    assert (options.scale, options.learnable_scale, options.weighted) == (30.0, False, False)
     with pytest.raises(ValueError, match="unknown fednh option"):
         FedNHOptions.from_config(ExperimentConfig(method="fednh", options={"roh": 0.5}))
     with pytest.raises(ValueError, match="prototype-init"):

@@ -130,3 +130,11 @@ def test_client_data_is_cached_and_partitions_do_not_overlap():
     assert first.class_counts().sum() == first.num_train
     with pytest.raises(ValueError, match="partition-id"):
         data.load_client_data("digits", "", spec, 4)
+
+
+def test_global_test_subset_is_the_first_images_of_each_class():
+    full_x, full_y = data.load_global_test("digits", "")
+    x, y = data.load_global_test("digits", "", "cpu", 5)
+    assert np.bincount(y.numpy()).tolist() == [5] * 10
+    for c in range(10):
+        np.testing.assert_array_equal(x[y == c].numpy(), full_x[full_y == c][:5].numpy())

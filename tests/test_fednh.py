@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
 from fakes import OK, FakeProxy
+from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
 from protofl.config import ExperimentConfig
