@@ -49,3 +49,18 @@ def test_same_seed_same_initial_weights():
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="model must be one of"):
         build_model("vgg", 3, 10, 32, seed=0)
+
+
+def test_gradient_clipping_bounds_each_step():
+    from protofl.task.train import train
+
+    x, y = torch.randn(32, 1, 16, 16), torch.randint(0, 10, (32,))
+
+    def step_norm(max_grad_norm):
+        model = build_model("cnn", 1, 10, 16, seed=0)
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        train(model, x, y, epochs=1, batch_size=32, lr=1.0, seed=0, max_grad_norm=max_grad_norm)  # one SGD step
+        return (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm().item()
+
+    assert step_norm(0.01) == pytest.approx(0.01, rel=1e-3)
+    assert step_norm(0.0) > 0.05
