@@ -168,7 +168,11 @@ class FedNHStrategy(PrototypeStrategy):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.options = FedNHOptions.from_config(self.config)
-        self.prototypes = self.model.head.prototypes.cpu().numpy().copy()
+
+    @property
+    def prototypes(self) -> np.ndarray:
+        """W^t: the GM's head holds the only copy."""
+        return self.model.head.prototypes.cpu().numpy()
 
     def upload_spec(self) -> dict[str, ArraySpec]:
         return {
@@ -186,14 +190,14 @@ class FedNHStrategy(PrototypeStrategy):
         return {"prototypes": self.prototypes}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        self.prototypes = update_prototypes(  # Eq. 4
+        updated = update_prototypes(  # Eq. 4
             self.prototypes,
             np.stack([u.payload["class-means"] for u in updates]),
             np.stack([u.payload["class-counts"] for u in updates]),
             self.options.rho,
             self.options.prototype_means == "normalized",
         )
-        self.model.head.prototypes.copy_(torch.from_numpy(self.prototypes))  # the GM uses W^{t+1}
+        self.model.head.prototypes.copy_(torch.from_numpy(updated))
         weights = [u.num_examples if self.options.weighted else 1 for u in updates]
         return weighted_average([u.parameters for u in updates], weights)  # Alg. 1 line 9
 
