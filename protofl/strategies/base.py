@@ -173,6 +173,12 @@ class ClientUpdate:
     metrics: dict[str, Scalar] = field(default_factory=dict)
 
 
+def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = True) -> list[np.ndarray]:
+    """The clients' parameters averaged layer-wise, weighted by their training sizes or unweighted."""
+    weights = [u.num_examples if by_sample_count else 1 for u in updates]
+    return weighted_average([u.parameters for u in updates], weights)
+
+
 class PrototypeStrategy(Strategy):
     """Flower Strategy with seeded sampling, payload validation, GM/PM evaluation and results.
 

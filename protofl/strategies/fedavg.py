@@ -14,18 +14,16 @@ from protofl.strategies.base import (
     ClientUpdate,
     PrototypeClient,
     PrototypeStrategy,
+    average_parameters,
     get_weights,
     set_weights,
-    weighted_average,
 )
 from protofl.task.train import train
 
 
 class FedAvgStrategy(PrototypeStrategy):
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        weighted = bool(self.config.option("weighted", True))
-        weights = [u.num_examples if weighted else 1 for u in updates]
-        return weighted_average([u.parameters for u in updates], weights)
+        return average_parameters(updates, bool(self.config.option("weighted", True)))
 
 
 PERSONAL_MODELS = ("global", "local")

@@ -36,9 +36,9 @@ from protofl.strategies.base import (
     PayloadError,
     PrototypeClient,
     PrototypeStrategy,
+    average_parameters,
     get_weights,
     set_weights,
-    weighted_average,
 )
 from protofl.task.models import SplitModel
 from protofl.task.train import class_means, features_and_logits, train
@@ -198,8 +198,7 @@ class FedNHStrategy(PrototypeStrategy):
             self.options.prototype_means == "normalized",
         )
         self.model.head.prototypes.copy_(torch.from_numpy(updated))
-        weights = [u.num_examples if self.options.weighted else 1 for u in updates]
-        return weighted_average([u.parameters for u in updates], weights)  # Alg. 1 line 9
+        return average_parameters(updates, self.options.weighted)  # Alg. 1 line 9
 
 
 # --- client -----------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from protofl.strategies.base import (
     ClientUpdate,
     PrototypeClient,
     PrototypeStrategy,
+    average_parameters,
     get_weights,
     set_weights,
-    weighted_average,
 )
 from protofl.task.train import (
     class_means,
@@ -103,7 +103,7 @@ class FedProtoStrategy(PrototypeStrategy):
         )
         if not self.has_global_model:
             return None
-        return weighted_average([u.parameters for u in updates], [u.num_examples for u in updates])
+        return average_parameters(updates)
 
 
 class FedProtoClient(PrototypeClient):
