@@ -1,4 +1,16 @@
-"""ClientApp: one NumPyClient of the configured method per partition."""
+"""ClientApp: one NumPyClient of the configured method per partition.
+
+The node's ``--node-config`` (in simulation: Flower's own) names the node's data:
+
+- ``partition-id``, ``num-partitions``: which share of the run config's data set this node
+  holds, and how many clients the federation has (required);
+- ``data-dir``: where this node keeps that data set (overrides the run config's ``data-dir``,
+  whose path is the server's);
+- ``local-data-dir``: this node's own data, used whole instead of a partition (see
+  :func:`protofl.task.data.load_local_client_data`);
+- ``cache-dir``: keep this node's data there after its first load (deployments start a process
+  per message; see :func:`protofl.task.data.cached_on_disk`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +21,7 @@ from flwr.common import Context
 
 from protofl.config import ExperimentConfig
 from protofl.strategies import build_method_model, get_method
-from protofl.task.data import load_client_data, load_dataset
+from protofl.task.data import ClientData, cached_on_disk, load_client_data, load_local_client_data
 from protofl.task.train import get_device
 
 
@@ -18,16 +30,34 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
 
     def client_fn(context: Context) -> Client:
         config = ExperimentConfig.from_run_config(run_config if run_config is not None else context.run_config)
-        partition_id = int(context.node_config["partition-id"])
-        num_partitions = int(context.node_config["num-partitions"])
-        dataset = load_dataset(config.dataset, config.data_dir)
-        spec = config.partition_spec(num_partitions)
-        data = load_client_data(config.dataset, config.data_dir, spec, partition_id, str(get_device()))
-        model = build_method_model(config, dataset)
+        data = node_data(config, context.node_config, str(get_device()))
+        model = build_method_model(config, data)
         _, client_class = get_method(config.method)
+        num_partitions = int(context.node_config["num-partitions"])
         return client_class(config, data, model, num_partitions, context.state).to_client()
 
     return client_fn
+
+
+def node_data(config: ExperimentConfig, node_config: Mapping[str, Any], device: str) -> ClientData:
+    """This node's data: its own directory (``local-data-dir``), else its partition."""
+    missing = [key for key in ("partition-id", "num-partitions") if key not in node_config]
+    if missing:
+        raise ValueError(f"the node config lacks {', '.join(missing)} (flower-supernode --node-config)")
+    partition_id = int(node_config["partition-id"])
+    spec = config.partition_spec(int(node_config["num-partitions"]))
+    local_dir = str(node_config.get("local-data-dir", ""))
+    data_dir = local_dir or str(node_config.get("data-dir", config.data_dir))
+    loader = load_local_client_data if local_dir else load_client_data
+
+    def load() -> ClientData:
+        return loader(config.dataset, data_dir, spec, partition_id, device)
+
+    cache_dir = str(node_config.get("cache-dir", ""))
+    if not cache_dir:
+        return load()
+    key = (config.dataset, data_dir, bool(local_dir), spec, partition_id)
+    return cached_on_disk(cache_dir, key, data_dir, load, device)
 
 
 app = ClientApp(client_fn=make_client_fn())

@@ -1,16 +1,9 @@
-"""Find and kill the processes a test started (by PID, whole trees), and pick free ports."""
+"""Find and kill the processes a test started (by PID, whole trees)."""
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _children() -> dict[int, list[int]]:

@@ -138,3 +138,86 @@ def test_global_test_subset_is_the_first_images_of_each_class():
     assert np.bincount(y.numpy()).tolist() == [5] * 10
     for c in range(10):
         np.testing.assert_array_equal(x[y == c].numpy(), full_x[full_y == c][:5].numpy())
+
+
+def test_node_uses_its_own_local_data_whole(tmp_path):
+    from protofl.client_app import node_data
+    from protofl.config import ExperimentConfig
+
+    images, labels = RNG.integers(0, 256, (40, 28, 28)), np.repeat(np.arange(4), 10)
+    write_idx(tmp_path / "train-images-idx3-ubyte", images, compress=True)  # no t10k files: a node's own data
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels, compress=True)
+    config = ExperimentConfig.from_run_config({"dataset": "fmnist", "test-fraction": 0.2})
+    node = {"partition-id": 3, "num-partitions": 5, "local-data-dir": str(tmp_path)}
+    client = node_data(config, node, "cpu")
+    assert client.partition_id == 3 and client.num_train == 32 and client.num_test == 8  # all 40, 20 % per class
+    assert client.class_counts().tolist() == [8, 8, 8, 8, 0, 0, 0, 0, 0, 0]
+    pixels = sorted(client.train_x.sum(dim=(1, 2, 3)).tolist() + client.test_x.sum(dim=(1, 2, 3)).tolist())
+    expected = sorted(((images / 255.0 * 2 - 1).astype(np.float32).sum(axis=(1, 2))).tolist())
+    np.testing.assert_allclose(pixels, expected, rtol=1e-4)  # every image once, none from elsewhere
+
+
+def test_node_local_cifar_data_may_hold_some_training_batches(tmp_path):
+    write_cifar(tmp_path, 10, [40], 3)  # data_batch_1 only
+    (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
+    spec = PartitionSpec("iid", 1, test_fraction=0.5)
+    client = data.load_local_client_data("cifar10", str(tmp_path), spec, 0)
+    assert client.num_train + client.num_test == 40 and client.in_channels == 3 and client.image_size == 32
+    with pytest.raises(ValueError, match="local-data-dir works with"):
+        data.load_local_client_data("digits", str(tmp_path), spec, 0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="data_batch_1"):
+        data.load_local_client_data("cifar10", str(tmp_path / "empty"), spec, 0)
+
+
+def test_node_config_data_dir_replaces_the_run_configs(tmp_path):
+    from protofl.client_app import node_data
+    from protofl.config import ExperimentConfig
+
+    for prefix, n in (("train", 60), ("t10k", 10)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
+    config = ExperimentConfig.from_run_config({"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"),
+                                               "partition": "iid"})
+    client = node_data(config, {"partition-id": 1, "num-partitions": 2, "data-dir": str(tmp_path)}, "cpu")
+    assert client.num_train + client.num_test == 30  # half of this node's 60 training images
+    with pytest.raises(FileNotFoundError, match="server-path"):
+        node_data(config, {"partition-id": 1, "num-partitions": 2}, "cpu")
+    with pytest.raises(ValueError, match="lacks num-partitions"):
+        node_data(config, {"partition-id": 1}, "cpu")
+
+
+def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, monkeypatch):
+    from protofl.client_app import node_data
+    from protofl.config import ExperimentConfig
+
+    def write_train(n):
+        write_idx(tmp_path / "own" / "train-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
+        write_idx(tmp_path / "own" / "train-labels-idx1-ubyte", np.arange(n) % 4, compress=False)
+
+    (tmp_path / "own").mkdir()
+    write_train(40)
+    config = ExperimentConfig.from_run_config({"dataset": "fmnist"})
+    node = {"partition-id": 2, "num-partitions": 3, "local-data-dir": str(tmp_path / "own"),
+            "cache-dir": str(tmp_path / "cache")}
+    first = node_data(config, node, "cpu")
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+
+    def no_loading(*args):
+        raise AssertionError("loaded the data again instead of using the cache")
+
+    monkeypatch.setattr("protofl.client_app.load_local_client_data", no_loading)
+    again = node_data(config, node, "cpu")
+    assert again is not first and again.partition_id == 2 and again.num_classes == 10
+    for name in ("train_x", "train_y", "test_x", "test_y"):
+        assert torch_equal(getattr(again, name), getattr(first, name)), name
+
+    monkeypatch.undo()
+    data.load_local_client_data.cache_clear()
+    write_train(48)  # the node's data changed: a new entry
+    assert node_data(config, node, "cpu").num_train + node_data(config, node, "cpu").num_test == 48
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+
+
+def torch_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())

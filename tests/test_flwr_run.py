@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from processes import free_port, kill_trees, pids_with_argument
+from native import free_port
+from processes import kill_trees, pids_with_argument
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from protofl.config import ExperimentConfig
-from protofl.task.data import Dataset
+from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model
 
 METHODS = ("fedavg", "fedproto", "fednh")
@@ -27,8 +27,9 @@ def get_method(name: str):
     return module.STRATEGY, module.CLIENT
 
 
-def build_method_model(config: ExperimentConfig, dataset: Dataset) -> SplitModel:
-    """The configured backbone with the method's changes; identical on the server and every client."""
+def build_method_model(config: ExperimentConfig, dataset: Dataset | ClientData) -> SplitModel:
+    """The configured backbone with the method's changes; identical on the server and every client
+    (a client takes the shapes from its own data)."""
     model = build_model(config.model, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
     prepare = getattr(_module(config.method), "prepare_model", None)
     return prepare(model, config) if prepare is not None else model

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
+import os
 import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -80,6 +83,14 @@ class ClientData:
     @property
     def num_test(self) -> int:
         return len(self.test_y)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.train_x.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.train_x.shape[2])
 
     def class_counts(self) -> np.ndarray:
         """Training samples per class (length ``num_classes``)."""
@@ -142,16 +153,18 @@ def _find(directory: Path, stem: str) -> Path:
     raise FileNotFoundError(f"{directory} has no {stem}[.gz]")
 
 
+def read_idx_split(directory: Path, prefix: str) -> ArraySplit:
+    """The ``<prefix>-images-idx3-ubyte`` / ``<prefix>-labels-idx1-ubyte`` pair (prefix train or t10k)."""
+    images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"))
+    labels = read_idx(_find(directory, f"{prefix}-labels-idx1-ubyte"))
+    if len(images) != len(labels):
+        raise ValueError(f"{directory}: {len(images)} {prefix} images but {len(labels)} labels")
+    return _split(images, labels)
+
+
 def load_idx_dir(directory: Path) -> tuple[ArraySplit, ArraySplit]:
     """MNIST-format directory: train-/t10k- images-idx3 and labels-idx1 files."""
-    splits = []
-    for prefix in ("train", "t10k"):
-        images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"))
-        labels = read_idx(_find(directory, f"{prefix}-labels-idx1-ubyte"))
-        if len(images) != len(labels):
-            raise ValueError(f"{directory}: {len(images)} {prefix} images but {len(labels)} labels")
-        splits.append(_split(images, labels))
-    return splits[0], splits[1]
+    return read_idx_split(directory, "train"), read_idx_split(directory, "t10k")
 
 
 # --- CIFAR (torchvision's python pickles) ------------------------------------------------
@@ -181,23 +194,30 @@ def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarra
     return data, np.asarray(batch[label_key], dtype=np.int64)
 
 
+def _cifar_layout(num_classes: int) -> tuple[str, str, list[str], list[str]]:
+    """(folder, label key, training files, test files) of torchvision's CIFAR-10/100 layout."""
+    if num_classes == 10:
+        return "cifar-10-batches-py", "labels", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]
+    return "cifar-100-python", "fine_labels", ["train"], ["test"]
+
+
+def read_cifar_files(directory: Path, num_classes: int, which: str, require_all: bool = True) -> ArraySplit:
+    """The ``which`` ("train" or "test") files of the CIFAR layout under ``directory``; with
+    ``require_all=False``, whichever of them are there (at least one)."""
+    folder, label_key, train_files, test_files = _cifar_layout(num_classes)
+    root = directory / folder if (directory / folder).is_dir() else directory
+    files = train_files if which == "train" else test_files
+    present = [f for f in files if (root / f).is_file()]
+    if not present or (require_all and len(present) < len(files)):
+        missing = [f for f in files if f not in present]
+        raise FileNotFoundError(f"{root} lacks {', '.join(missing)} (torchvision's {folder} layout)")
+    parts = [_read_cifar_batch(root / f, label_key) for f in present]
+    return _split(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
 def load_cifar_dir(directory: Path, num_classes: int) -> tuple[ArraySplit, ArraySplit]:
     """torchvision's on-disk CIFAR-10/100 layout under ``directory``."""
-    if num_classes == 10:
-        folder, label_key = "cifar-10-batches-py", "labels"
-        train_files, test_files = [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]
-    else:
-        folder, label_key = "cifar-100-python", "fine_labels"
-        train_files, test_files = ["train"], ["test"]
-    root = directory / folder if (directory / folder).is_dir() else directory
-    splits = []
-    for files in (train_files, test_files):
-        missing = [f for f in files if not (root / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{root} lacks {', '.join(missing)} (torchvision's {folder} layout)")
-        parts = [_read_cifar_batch(root / f, label_key) for f in files]
-        splits.append(_split(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
-    return splits[0], splits[1]
+    return read_cifar_files(directory, num_classes, "train"), read_cifar_files(directory, num_classes, "test")
 
 
 # --- Hugging Face hub through flwr-datasets ---------------------------------------------
@@ -247,9 +267,13 @@ def load_dataset(name: str, data_dir: str = "") -> Dataset:
             load_cifar_dir(directory, num_classes) if directory else _load_hub(hub_name, image_key, label_key)
         )
     for split in (train, test):
-        if split.labels.min() < 0 or split.labels.max() >= num_classes:
-            raise ValueError(f"{name}: labels outside [0, {num_classes})")
+        _check_labels(name, num_classes, split)
     return Dataset(name, num_classes, train, test)
+
+
+def _check_labels(name: str, num_classes: int, split: ArraySplit) -> None:
+    if len(split) == 0 or split.labels.min() < 0 or split.labels.max() >= num_classes:
+        raise ValueError(f"{name}: no samples, or labels outside [0, {num_classes})")
 
 
 @functools.lru_cache(maxsize=8)
@@ -266,19 +290,94 @@ def load_client_data(
         raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
     dataset = load_dataset(name, data_dir)
     partition = _partitions(name, data_dir, spec)[partition_id]
-    train_idx, test_idx = client_split(dataset.train.labels, partition, spec, partition_id)
-    images, labels = dataset.train.images, dataset.train.labels
+    return _client_data(dataset.train, dataset.num_classes, partition, spec, partition_id, device)
+
+
+LOCAL_DATA_FORMATS = ("fmnist", "cifar10", "cifar100")
+
+
+@functools.lru_cache(maxsize=16)
+def load_local_client_data(
+    name: str, data_dir: str, spec: PartitionSpec, partition_id: int, device: str = "cpu"
+) -> ClientData:
+    """A node's own data, used whole: a deployment where every node already holds its data.
+
+    ``data_dir`` holds training files in the data set's on-disk format: the IDX
+    ``train-images-idx3-ubyte[.gz]`` / ``train-labels-idx1-ubyte[.gz]`` pair for ``fmnist``, one
+    or more of the CIFAR training batches for ``cifar10`` / ``cifar100``. They are split per class
+    into local train and test with ``spec``'s test fraction and seed, like a partition.
+    """
+    if name not in LOCAL_DATA_FORMATS:
+        raise ValueError(f"local-data-dir works with {LOCAL_DATA_FORMATS}, not {name!r}")
+    directory = Path(data_dir).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"local-data-dir {directory} does not exist")
+    num_classes = DATASETS[name][0]
+    if name == "fmnist":
+        split = read_idx_split(directory, "train")
+    else:
+        split = read_cifar_files(directory, num_classes, "train", require_all=False)
+    _check_labels(name, num_classes, split)
+    return _client_data(split, num_classes, np.arange(len(split)), spec, partition_id, device)
+
+
+NODE_CACHE_VERSION = 1
+
+
+def _source_fingerprint(data_dir: str) -> list[tuple[str, int, int]]:
+    """(path, size, mtime) of the files under ``data_dir`` (two levels: CIFAR's sub-folder)."""
+    directory = Path(data_dir).expanduser() if data_dir else None
+    if directory is None or not directory.is_dir():
+        return []
+    files = [f for pattern in ("*", "*/*") for f in directory.glob(pattern) if f.is_file()]
+    return sorted((str(f.relative_to(directory)), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+def cached_on_disk(
+    cache_dir: str, key: tuple, data_dir: str, load: Callable[[], ClientData], device: str
+) -> ClientData:
+    """``load()`` once per node, then its arrays from ``cache_dir``.
+
+    In a deployment every message starts a fresh ClientApp process, so the in-process caches
+    above do not last past one round; this file does. ``key`` names what decides the data (data
+    set, partition settings, partition id); the files in ``data_dir`` are fingerprinted too, so
+    changed data is loaded anew. The file is ours, written atomically, read without pickle.
+    """
+    digest = hashlib.sha256(repr((NODE_CACHE_VERSION, key, _source_fingerprint(data_dir))).encode()).hexdigest()
+    path = Path(cache_dir).expanduser() / f"client-data-{digest[:24]}.npz"
+    names = ("train_x", "train_y", "test_x", "test_y")
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as arrays:
+                tensors = [torch.from_numpy(arrays[name]).to(device) for name in names]
+                return ClientData(int(arrays["partition_id"]), int(arrays["num_classes"]), *tensors)
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable or from another version: load and write it again
+    data = load()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    np.savez(partial, partition_id=data.partition_id, num_classes=data.num_classes,
+             **{name: getattr(data, name).cpu().numpy() for name in names})
+    os.replace(partial, path)  # concurrent writers of the same key write the same arrays
+    return data
+
+
+def _client_data(
+    pool: ArraySplit, num_classes: int, samples: np.ndarray, spec: PartitionSpec, partition_id: int, device: str
+) -> ClientData:
+    """``samples`` of ``pool`` split per class into local train/test, as tensors on ``device``."""
+    train_idx, test_idx = client_split(pool.labels, samples, spec, partition_id)
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
     return ClientData(
         partition_id=partition_id,
-        num_classes=dataset.num_classes,
-        train_x=tensor(images[train_idx]),
-        train_y=tensor(labels[train_idx]),
-        test_x=tensor(images[test_idx]),
-        test_y=tensor(labels[test_idx]),
+        num_classes=num_classes,
+        train_x=tensor(pool.images[train_idx]),
+        train_y=tensor(pool.labels[train_idx]),
+        test_x=tensor(pool.images[test_idx]),
+        test_y=tensor(pool.labels[test_idx]),
     )
 
 

@@ -1,0 +1,191 @@
+"""The compose topology as native processes on one machine, without Docker.
+
+Each service runs its command line from the compose files with the entry point of its image.
+Only container host names, ``--host`` and ``--port`` values change; relative paths
+(``state/``, ``credentials/``) and ``~`` resolve as in the containers, because each service
+runs in its own directory, which is also its home (the images' ``/app``), with its own Flower
+home. Used by the deployment tests and ``benchmarks/deployment.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILES = {
+    "base": ROOT / "docker-compose.yml",
+    "tls": ROOT / "deploy" / "compose.tls.yml",
+    "auth": ROOT / "deploy" / "compose.auth.yml",
+    "gpu": ROOT / "deploy" / "compose.gpu.yml",
+}
+BIN = Path(sys.executable).parent  # flower-superlink, flwr ... of this environment
+MERGED_LISTS = ("volumes", "ports", "depends_on")  # compose appends these; other lists are replaced
+
+
+def _merge(base: Any, override: Any, key: str = "") -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for name, value in override.items():
+            merged[name] = _merge(base[name], value, name) if name in base else value
+        return merged
+    if key in MERGED_LISTS and isinstance(base, list) and isinstance(override, list):
+        return base + [item for item in override if item not in base]
+    return override
+
+
+def load_compose(*variants: str) -> dict[str, Any]:
+    """``docker-compose.yml`` with the named override files (``tls``, ``auth``, ``gpu``) merged
+    in order, as ``docker compose -f ... -f ...`` does for the keys these files use."""
+    merged: dict[str, Any] = {}
+    for name in ("base", *variants):
+        merged = _merge(merged, yaml.safe_load(COMPOSE_FILES[name].read_text()))
+    return merged
+
+
+def entry_point(service: dict[str, Any]) -> str:
+    """The Flower command a service's image runs."""
+    image, target = str(service.get("image", "")), service.get("build", {}).get("target")
+    if target == "superlink" or image.startswith("flwr/superlink"):
+        return "flower-superlink"
+    if image.startswith("flwr/supernode"):
+        return "flower-supernode"
+    if target == "app" or image.startswith("flwr/superexec"):
+        return "flower-superexec"
+    raise ValueError(f"no Flower entry point known for image {image!r} / target {target!r}")
+
+
+def native_command(command: list[str], host: str, port: int | None, addresses: dict[str, str]) -> list[str]:
+    """``command`` with ``--host``/``--port`` values and ``service:port`` addresses replaced."""
+    native = []
+    for previous, token in zip([None, *command], command):
+        if previous == "--host":
+            token = host
+        elif previous == "--port" and port is not None:
+            token = str(port)
+        native.append(addresses.get(token, token))
+    return native
+
+
+def environment() -> dict[str, str]:
+    """This environment's binaries first on PATH, and no per-run dependency installation."""
+    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float, netns: str | None = None) -> None:
+    """Wait until something accepts TCP connections on ``host:port`` (in ``netns`` if given)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if netns is None:
+            try:
+                with socket.create_connection((host, port), timeout=1):
+                    return
+            except OSError:
+                pass
+        else:
+            probe = ["ip", "netns", "exec", netns, "python3", "-c",
+                     f"import socket; socket.create_connection(({host!r}, {port}), timeout=1)"]
+            if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+
+
+class NativeDeployment:
+    """Starts services as process groups in ``workdir/<service>``; ``stop()`` kills them all."""
+
+    def __init__(self, workdir: Path, env: dict[str, str], credentials: Path | None = None) -> None:
+        self.workdir = workdir
+        self.env = env
+        self.credentials = credentials
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, command: list[str], netns: str | None = None) -> subprocess.Popen:
+        directory = self.workdir / name
+        (directory / "state").mkdir(parents=True, exist_ok=True)
+        if self.credentials is not None and not (directory / "credentials").exists():
+            (directory / "credentials").symlink_to(self.credentials)
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        log = open(directory / "log.txt", "wb")
+        process = subprocess.Popen(
+            prefix + command, cwd=directory, stdout=log, stderr=subprocess.STDOUT,
+            env=self.env | {"HOME": str(directory), "FLWR_HOME": str(directory / "flwr-home")},
+            start_new_session=True,
+        )
+        log.close()
+        self.processes[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.workdir / name / "log.txt").read_text(errors="replace")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is still there after ``grace``."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for process in self.processes.values():
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace
+            for process in self.processes.values():
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+def service_command(compose: dict[str, Any], service: str, host: str, port: int | None,
+                    addresses: dict[str, str]) -> list[str]:
+    """A compose service's full native command line (entry point of its image, then its arguments)."""
+    args = native_command(compose["services"][service]["command"], host, port, addresses)
+    return [str(BIN / entry_point(compose["services"][service])), *args]
+
+
+def start_federation(
+    deployment: NativeDeployment,
+    compose: dict[str, Any],
+    link: tuple[str, int],
+    nodes: list[tuple[str, int, str | None]],
+    before_nodes: Callable[[], None] = lambda: None,
+) -> dict[str, str]:
+    """The SuperLink and the ServerApp's SuperExec at ``link`` (host, port); then, for each
+    (host, port, network namespace or None) in ``nodes``, SuperNode i and its ClientApp SuperExec.
+    Returns the address replacements used (compose address -> native address)."""
+    host, port = link
+    addresses = {"superlink:8000": f"{host}:{port}"}
+    addresses |= {f"supernode-{i}:9094": f"127.0.0.1:{p}" for i, (_, p, _) in enumerate(nodes, 1)}
+    deployment.start("superlink", service_command(compose, "superlink", host, port, addresses))
+    wait_for_port(host, port, timeout=60)
+    deployment.start("superexec-serverapp", service_command(compose, "superexec-serverapp", host, None, addresses))
+    before_nodes()
+    for i, (node_host, node_port, netns) in enumerate(nodes, 1):
+        node, clientapp = f"supernode-{i}", f"superexec-clientapp-{i}"
+        deployment.start(node, service_command(compose, node, node_host, node_port, addresses), netns)
+        deployment.start(clientapp, service_command(compose, clientapp, node_host, None, addresses), netns)
+    return addresses
+
+
+def cli_home(directory: Path, address: str, root_certificates: Path | None = None) -> Path:
+    """A Flower home for the ``flwr`` CLI whose default connection, "deployment", is ``address``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    security = f'root-certificates = "{root_certificates}"' if root_certificates else "insecure = true"
+    (directory / "config.toml").write_text(
+        f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "{address}"\n{security}\n'
+    )
+    return directory

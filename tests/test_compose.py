@@ -1,0 +1,138 @@
+"""docker-compose.yml and its variants: they parse, every flag they pass exists in the installed
+Flower binaries, and the topology is consistent (Docker itself cannot run here; the same command
+lines run natively in test_deployment.py)."""
+
+import functools
+import re
+import subprocess
+from importlib.metadata import version
+from pathlib import Path
+
+import native
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VARIANTS = [(), ("tls",), ("tls", "auth"), ("gpu",), ("tls", "auth", "gpu")]
+CREDENTIAL_FILES = {"ca.crt", "server.pem", "server.key"}  # + supernode-<i>, as make_credentials.py writes
+
+
+@functools.cache
+def known_flags(binary: str) -> frozenset[str]:
+    help_text = subprocess.run([str(native.BIN / binary), "--help"], capture_output=True, text=True, timeout=60).stdout
+    return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text))
+
+
+def supernodes(compose):
+    return sorted(name for name in compose["services"] if name.startswith("supernode-"))
+
+
+def option(command, flag):
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_every_flag_exists_in_the_installed_binaries(variant):
+    compose = native.load_compose(*variant)
+    for name, service in compose["services"].items():
+        binary = native.entry_point(service)
+        flags = {token.split("=")[0] for token in service["command"] if token.startswith("--")}
+        unknown = flags - known_flags(binary)
+        assert not unknown, f"{name}: {binary} has no {sorted(unknown)}"
+
+
+def test_a_flag_that_does_not_exist_is_caught():
+    assert "--clientappio-api-address" not in known_flags("flower-supernode")  # removed in 1.35
+    assert {"--superlink", "--node-config", "--auth-supernode-private-key"} <= known_flags("flower-supernode")
+
+
+def test_images_match_the_installed_flower_version():
+    major_minor = ".".join(version("flwr").split(".")[:2])
+    defaults = set(re.findall(r"FLWR_VERSION:-([0-9.]+)", (ROOT / "docker-compose.yml").read_text()))
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    defaults |= set(re.findall(r"ARG FLWR_VERSION=([0-9.]+)", dockerfile))
+    assert defaults and {".".join(d.split(".")[:2]) for d in defaults} == {major_minor}
+    targets = set(re.findall(r"^FROM \S+ AS (\w+)", dockerfile, flags=re.M))
+    for service in native.load_compose("gpu")["services"].values():
+        if "build" in service:
+            assert service["build"]["target"] in targets
+            assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_topology_each_supernode_has_its_partition_and_its_clientapp(variant):
+    compose = native.load_compose(*variant)
+    nodes = supernodes(compose)
+    assert len(nodes) >= 2
+    partition_ids = []
+    for i, name in enumerate(nodes, 1):
+        command = compose["services"][name]["command"]
+        node_config = dict(item.split("=", 1) for item in option(command, "--node-config").split())
+        assert int(node_config["num-partitions"]) == len(nodes)
+        partition_ids.append(int(node_config["partition-id"]))
+        assert option(command, "--superlink") == "superlink:8000" and option(command, "--host") == "0.0.0.0"
+        clientapp = compose["services"][f"superexec-clientapp-{i}"]["command"]
+        assert option(clientapp, "--runtime-api-address") == f"{name}:{option(command, '--port')}"
+    assert sorted(partition_ids) == list(range(len(nodes)))
+    superlink = compose["services"]["superlink"]
+    assert option(superlink["command"], "--port") == "8000" and "8000:8000" in superlink["ports"]
+    assert option(superlink["command"], "--database").startswith("state/")
+    assert "superlink-state:/app/state" in superlink["volumes"]  # state survives the container
+    assert option(compose["services"]["superexec-serverapp"]["command"], "--runtime-api-address") == "superlink:8000"
+
+
+@pytest.mark.parametrize("variant", [("tls",), ("tls", "auth")], ids="+".join)
+def test_tls_variants_use_mounted_credentials_and_never_insecure(variant):
+    compose = native.load_compose(*variant)
+    dialling = ["superlink", "superexec-serverapp", *supernodes(compose)]
+    for name in dialling:
+        service = compose["services"][name]
+        assert "--insecure" not in service["command"], name
+        mounts = [volume.split(":")[1] for volume in service.get("volumes", [])]
+        for path in (token for token in service["command"] if token.startswith("credentials/")):
+            assert Path(path).name in CREDENTIAL_FILES or re.fullmatch(r"supernode-\d+", Path(path).name)
+            assert any(f"/app/{path}" == m or f"/app/{path}".startswith(m + "/") for m in mounts), (name, path)
+    superlink = compose["services"]["superlink"]["command"]
+    assert {option(superlink, f) for f in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile")} == {
+        f"credentials/{name}" for name in CREDENTIAL_FILES}
+    for name in supernodes(compose):
+        assert option(compose["services"][name]["command"], "--root-certificates") == "credentials/ca.crt"
+
+
+def test_auth_variant_gives_each_supernode_its_own_key():
+    compose = native.load_compose("tls", "auth")
+    assert "--enable-supernode-auth" in compose["services"]["superlink"]["command"]
+    commands = [compose["services"][name]["command"] for name in supernodes(compose)]
+    keys = [option(command, "--auth-supernode-private-key") for command in commands]
+    assert keys == [f"credentials/supernode-{i}" for i in range(1, len(keys) + 1)]
+    assert "--enable-supernode-auth" not in native.load_compose("tls")["services"]["superlink"]["command"]
+
+
+def test_gpu_variant_reserves_gpus_for_the_clientapps_only():
+    compose = native.load_compose("gpu")
+    for name, service in compose["services"].items():
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if name.startswith("superexec-clientapp-"):
+            assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+            assert "cu" in service["build"]["args"]["TORCH_INDEX_URL"]
+            assert service["build"]["target"] == "app"  # merged into the base build, not replacing it
+        else:
+            assert not devices, name
+
+
+def test_override_files_only_touch_services_of_the_base_file():
+    base = set(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
+    for name in ("tls", "auth", "gpu"):
+        assert set(yaml.safe_load(native.COMPOSE_FILES[name].read_text())["services"]) <= base, name
+
+
+def test_build_context_holds_only_what_the_dockerfile_copies():
+    rules = (ROOT / ".dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in rules if line.startswith("!")}
+    assert "*" in rules  # everything else is left out
+    copied = set()
+    for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY"):
+            copied |= {token.rstrip("/") for token in line.split()[1:-1] if not token.startswith("--")}
+    assert copied == allowed

@@ -1,0 +1,169 @@
+"""Real SuperLink, SuperNode and SuperExec processes, started with docker-compose.yml's own command
+lines (Docker cannot run here), each in its own directory and Flower home, then `flwr run` of a
+2-round FedProto run on digits. Loopback only, except for the network-namespace test, whose
+addresses live on a bridge it creates and removes. Every process is killed by process group.
+"""
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import native
+import pytest
+from test_simulation import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+NUM_NODES = 2
+RUN_TIMEOUT = 420
+
+
+def _flwr(home, *args, timeout=60):
+    return subprocess.run([str(native.BIN / "flwr"), *args], env=native.environment() | {"FLWR_HOME": str(home)},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _run_fedproto(tmp_path, cli_home, name):
+    run_config = f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'"
+    run = _flwr(cli_home, "run", str(ROOT), "deployment", "--stream", "--run-config", run_config,
+                timeout=RUN_TIMEOUT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((tmp_path / name / "results.json").read_text())
+
+
+def _assert_prototypes_exchanged(results):
+    first, second = results["rounds"]
+    assert [first["round"], second["round"]] == [1, 2]
+    assert first["clients"] == second["clients"] == list(range(NUM_NODES))
+    prototypes_and_mask = 10 * 512 * 4 + 10 + 2 * 128  # float32 C x d prototypes, bool mask, .npy headers
+    assert first["bytes_down"] == 0 and second["bytes_down"] == NUM_NODES * prototypes_and_mask
+    assert second["bytes_up"] > NUM_NODES * 10 * 512 * 4  # each client's prototypes went up
+    assert second["personalized_accuracy"] > 0.5
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    started = native.NativeDeployment(tmp_path / "services", native.environment(), credentials=tmp_path / "credentials")
+    yield started
+    started.stop()
+    for name, process in started.processes.items():
+        assert process.poll() is not None, f"{name} still runs"
+
+
+def test_insecure_deployment_runs_fedproto(tmp_path, deployment):
+    compose = native.load_compose()
+    link = ("127.0.0.1", native.free_port())
+    nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
+    native.start_federation(deployment, compose, link, nodes)
+    results = _run_fedproto(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "insecure")
+    _assert_prototypes_exchanged(results)
+    for i in range(1, NUM_NODES + 1):  # each node kept its data for the next message's process
+        home = deployment.workdir / f"superexec-clientapp-{i}"
+        assert len(list((home / ".cache" / "protofl").glob("client-data-*.npz"))) == 1
+
+    # the app is unchanged between the two paths: the same run in simulation learns the same
+    simulated = simulate(tmp_path, "simulated", num_supernodes=NUM_NODES, method="fedproto")
+    for deployed, local in zip(results["rounds"], simulated["rounds"], strict=True):
+        assert deployed["clients"] == local["clients"]
+        assert deployed["bytes_up"] == local["bytes_up"] and deployed["bytes_down"] == local["bytes_down"]
+        for key in ("train_loss", "personalized_accuracy", "pm_l", "pm_v"):
+            assert deployed[key] == pytest.approx(local[key], rel=1e-4, abs=1e-4), key
+
+
+def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployment):
+    credentials = tmp_path / "credentials"
+    script = [sys.executable, str(ROOT / "deploy" / "make_credentials.py"), "--out", str(credentials),
+              "--supernodes", str(NUM_NODES + 1)]
+    subprocess.run(script, check=True, capture_output=True, timeout=60)
+    compose = native.load_compose("tls", "auth")
+    link = ("127.0.0.1", native.free_port())
+    cli_home = native.cli_home(tmp_path / "cli-home", f"127.0.0.1:{link[1]}", credentials / "ca.crt")
+
+    def register():
+        for i in range(1, NUM_NODES + 1):
+            registered = _flwr(cli_home, "supernode", "register", str(credentials / f"supernode-{i}.pub"), "deployment")
+            assert registered.returncode == 0, registered.stdout + registered.stderr
+
+    nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
+    addresses = native.start_federation(deployment, compose, link, nodes, before_nodes=register)
+
+    # the last node's command line with a third key, never registered
+    stranger = native.service_command(compose, f"supernode-{NUM_NODES}", "127.0.0.1", native.free_port(),
+                        addresses | {f"credentials/supernode-{NUM_NODES}": f"credentials/supernode-{NUM_NODES + 1}"})
+    assert f"credentials/supernode-{NUM_NODES + 1}" in stranger and "--root-certificates" in stranger
+    refused = deployment.start("stranger", stranger)
+    assert refused.wait(timeout=120) != 0, deployment.log("stranger")
+    assert "Failed to activate SuperNode" in deployment.log("stranger")
+
+    results = _run_fedproto(tmp_path, cli_home, "tls")
+    _assert_prototypes_exchanged(results)  # the two registered nodes, and only they, trained
+    for i in range(1, NUM_NODES + 1):
+        assert deployment.processes[f"supernode-{i}"].poll() is None  # still serving
+
+
+class _Network:
+    """A bridge with an address for the SuperLink and one network namespace per SuperNode."""
+
+    SUBNET = "10.213.77"
+
+    def __init__(self, count):
+        tag = uuid.uuid4().hex[:6]
+        self.bridge, self.host = f"pfbr{tag}", f"{self.SUBNET}.1"
+        self.namespaces = [f"pfns{tag}{i}" for i in range(count)]
+        self.veths = [f"pfv{tag}{i}" for i in range(count)]
+
+    def _ip(self, *args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def create(self):
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("addr", "add", f"{self.host}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for i, (ns, veth) in enumerate(zip(self.namespaces, self.veths), 2):
+            self._ip("netns", "add", ns)
+            self._ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._ip("link", "set", veth, "master", self.bridge, "up")
+            self._ip("-n", ns, "addr", "add", f"{self.SUBNET}.{i}/24", "dev", "eth0")
+            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    def traffic_bytes(self, veth):
+        stats = Path(f"/sys/class/net/{veth}/statistics")
+        return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+    def remove(self):
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)  # takes its veth pair
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def network():
+    net = _Network(NUM_NODES)
+    try:
+        net.create()
+    except (OSError, subprocess.CalledProcessError) as err:
+        net.remove()
+        reason = getattr(err, "stderr", b"") or str(err)
+        pytest.skip(f"cannot create network namespaces here (needs root and `ip netns`): {reason!r}")
+    if subprocess.run(["ip", "-n", net.namespaces[0], "route", "get", net.host], capture_output=True).returncode:
+        net.remove()
+        pytest.skip("network namespaces exist but cannot route to the bridge")
+    yield net
+    net.remove()
+
+
+def test_supernodes_in_their_own_network_namespaces(tmp_path, network, deployment):
+    compose = native.load_compose()
+    link = (network.host, native.free_port())
+    # as in the compose file: each SuperNode on port 9094 of its own network stack
+    nodes = [("127.0.0.1", 9094, ns) for ns in network.namespaces]
+    before = [network.traffic_bytes(veth) for veth in network.veths]
+    native.start_federation(deployment, compose, link, nodes)
+    results = _run_fedproto(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "netns")
+    _assert_prototypes_exchanged(results)
+    for veth, start in zip(network.veths, before):
+        crossed = network.traffic_bytes(veth) - start
+        assert crossed > 2 * 10 * 512 * 4, f"{veth}: only {crossed} bytes crossed the interface"
