@@ -10,13 +10,14 @@ home. Used by the deployment tests and ``benchmarks/deployment.py``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -42,13 +43,26 @@ def _merge(base: Any, override: Any, key: str = "") -> Any:
     return override
 
 
-def load_compose(*variants: str) -> dict[str, Any]:
+def _interpolate(value: Any, environ: Mapping[str, str]) -> Any:
+    """Compose's ``${NAME}`` / ``${NAME:-default}`` substitution in every string."""
+    if isinstance(value, dict):
+        return {key: _interpolate(item, environ) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(item, environ) for item in value]
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
+                      lambda m: environ.get(m.group(1)) or (m.group(2) or ""), value)
+    return value
+
+
+def load_compose(*variants: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """``docker-compose.yml`` with the named override files (``tls``, ``auth``, ``gpu``) merged
-    in order, as ``docker compose -f ... -f ...`` does for the keys these files use."""
+    in order and ``${...}`` substituted from ``environ``, as ``docker compose -f ... -f ...``
+    does for the keys these files use."""
     merged: dict[str, Any] = {}
     for name in ("base", *variants):
         merged = _merge(merged, yaml.safe_load(COMPOSE_FILES[name].read_text()))
-    return merged
+    return _interpolate(merged, environ)
 
 
 def entry_point(service: dict[str, Any]) -> str:

@@ -9,13 +9,16 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
 - ``local-data-dir``: this node's own data, used whole instead of a partition (see
   :func:`protofl.task.data.load_local_client_data`);
 - ``cache-dir``: keep this node's data there after its first load (deployments start a process
-  per message; see :func:`protofl.task.data.cached_on_disk`).
+  per message; see :func:`protofl.task.data.cached_on_disk`);
+- ``num-threads``: CPU threads for this node's torch work (default: torch's, one per core; set it
+  when several SuperNodes share a machine, as they do in the compose demo).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import torch
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 
@@ -30,6 +33,11 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
 
     def client_fn(context: Context) -> Client:
         config = ExperimentConfig.from_run_config(run_config if run_config is not None else context.run_config)
+        if "num-threads" in context.node_config:
+            threads = int(context.node_config["num-threads"])
+            if threads < 1:
+                raise ValueError(f"num-threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
         data = node_data(config, context.node_config, str(get_device()))
         model = build_method_model(config, data)
         _, client_class = get_method(config.method)

@@ -79,3 +79,24 @@ def test_fedavg_client_starts_from_the_parameters_it_receives():
     returned, _, _ = client.fit(received, {"seed": 1})
     for a, b in zip(received, returned):
         np.testing.assert_array_equal(a, b)  # lr 0: nothing moves
+
+
+def test_node_config_num_threads_sets_torch_threads():
+    import pytest
+    from flwr.common import Context
+
+    from protofl.client_app import make_client_fn
+
+    def context(threads):
+        node_config = {"partition-id": 0, "num-partitions": 3, "num-threads": threads}
+        return Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        make_client_fn({"dataset": "digits"})(context(1))
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="num-threads"):
+            make_client_fn({"dataset": "digits"})(context(0))
+    finally:
+        torch.set_num_threads(before)

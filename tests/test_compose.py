@@ -136,3 +136,14 @@ def test_build_context_holds_only_what_the_dockerfile_copies():
         if line.startswith("COPY"):
             copied |= {token.rstrip("/") for token in line.split()[1:-1] if not token.startswith("--")}
     assert copied == allowed
+
+
+def test_variables_are_substituted_as_compose_does():
+    defaults = native.load_compose(environ={})
+    default_version = re.search(r"FLWR_VERSION:-([0-9.]+)", (ROOT / "docker-compose.yml").read_text()).group(1)
+    assert defaults["services"]["supernode-1"]["image"] == f"flwr/supernode:{default_version}"
+    node_config = option(defaults["services"]["supernode-1"]["command"], "--node-config")
+    assert "num-threads=1" in node_config.split()  # one torch thread per ClientApp unless told
+    chosen = native.load_compose(environ={"CLIENT_THREADS": "4", "FLWR_VERSION": "1.41.1"})
+    assert "num-threads=4" in option(chosen["services"]["supernode-2"]["command"], "--node-config").split()
+    assert chosen["services"]["superexec-serverapp"]["build"]["args"]["FLWR_VERSION"] == "1.41.1"

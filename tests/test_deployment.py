@@ -106,11 +106,10 @@ def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployme
 class _Network:
     """A bridge with an address for the SuperLink and one network namespace per SuperNode."""
 
-    SUBNET = "10.213.77"
-
     def __init__(self, count):
         tag = uuid.uuid4().hex[:6]
-        self.bridge, self.host = f"pfbr{tag}", f"{self.SUBNET}.1"
+        self.subnet = f"10.213.{int(tag, 16) % 250 + 1}"  # a /24 of its own (parallel runs differ)
+        self.bridge, self.host = f"pfbr{tag}", f"{self.subnet}.1"
         self.namespaces = [f"pfns{tag}{i}" for i in range(count)]
         self.veths = [f"pfv{tag}{i}" for i in range(count)]
 
@@ -125,7 +124,7 @@ class _Network:
             self._ip("netns", "add", ns)
             self._ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             self._ip("link", "set", veth, "master", self.bridge, "up")
-            self._ip("-n", ns, "addr", "add", f"{self.SUBNET}.{i}/24", "dev", "eth0")
+            self._ip("-n", ns, "addr", "add", f"{self.subnet}.{i}/24", "dev", "eth0")
             self._ip("-n", ns, "link", "set", "eth0", "up")
             self._ip("-n", ns, "link", "set", "lo", "up")
 

@@ -9,6 +9,10 @@ Sources:
 - ``cifar10`` / ``cifar100``: torchvision's on-disk format under ``data-dir``
   (``cifar-10-batches-py`` / ``cifar-100-python``), else the hub copy through flwr-datasets.
 
+A client's data is its partition of the training pool (``load_client_data``), or, in a
+deployment where each node holds its own files, those files whole (``load_local_client_data``);
+``cached_on_disk`` keeps it on the node between the per-message processes of a deployment.
+
 Images are float32 N x C x H x W scaled to [-1, 1] (mean 0.5, std 0.5 per channel, as PFLlib).
 """
 
