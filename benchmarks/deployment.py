@@ -23,10 +23,11 @@ sys.path.insert(0, str(ROOT / "deploy"))
 import native  # noqa: E402
 
 
-def flwr_run(home: Path, connection: list[str], run_config: str, extra: list[str], timeout: int) -> float:
-    command = [str(native.BIN / "flwr"), "run", str(ROOT), *connection, "--stream", "--run-config", run_config, *extra]
+def flwr_run(home: Path, args: list[str], timeout: int, env: dict[str, str] | None = None) -> float:
+    """Seconds that ``flwr run <ROOT> <args> --stream`` took; raises with its output if it failed."""
+    command = [str(native.BIN / "flwr"), "run", str(ROOT), *args, "--stream"]
     started = time.perf_counter()
-    run = subprocess.run(command, env=native.environment() | {"FLWR_HOME": str(home)},
+    run = subprocess.run(command, env=native.environment() | (env or {}) | {"FLWR_HOME": str(home)},
                          capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         raise RuntimeError(run.stdout[-3000:] + run.stderr[-3000:])
@@ -35,42 +36,33 @@ def flwr_run(home: Path, connection: list[str], run_config: str, extra: list[str
 
 def simulation(work: Path, run_config: str, nodes: int, timeout: int) -> float:
     home = work / "flwr-home"
-    env = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(native.free_port()),
-           "FLWR_LOCAL_CONTROL_API_PORT": str(native.free_port())}
+    ports = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(native.free_port()),
+             "FLWR_LOCAL_CONTROL_API_PORT": str(native.free_port())}
+    federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
     try:
-        with_ports = native.environment() | env
-        command = [str(native.BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
-                   "--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1"]
-        started = time.perf_counter()
-        run = subprocess.run(command, env=with_ports | {"FLWR_HOME": str(home)},
-                             capture_output=True, text=True, timeout=timeout)
-        if run.returncode != 0:
-            raise RuntimeError(run.stdout[-3000:] + run.stderr[-3000:])
-        return time.perf_counter() - started
+        return flwr_run(home, ["--run-config", run_config, "--federation-config", federation], timeout, ports)
     finally:
         subprocess.run(["pkill", "-f", str(home)], check=False)  # the managed local SuperLink
+
+
+def _without_cache_dir(command: list[str]) -> list[str]:
+    return [" ".join(p for p in token.split() if not p.startswith("cache-dir=")) if previous == "--node-config"
+            else token for previous, token in zip([None, *command], command)]
 
 
 def deployment(work: Path, run_config: str, nodes: int, cache: bool, timeout: int) -> float:
     compose = native.load_compose()
     if nodes != len([s for s in compose["services"] if s.startswith("supernode-")]):
         raise SystemExit("the compose file defines a different number of SuperNodes")
+    if not cache:
+        for service in compose["services"].values():
+            service["command"] = _without_cache_dir(service["command"])
     started = native.NativeDeployment(work / "services", native.environment())
     try:
         link = ("127.0.0.1", native.free_port())
-        addresses = {}
-        if not cache:  # the same node configs without cache-dir
-            for name in compose["services"]:
-                command = compose["services"][name]["command"]
-                if "--node-config" in command:
-                    value = command[command.index("--node-config") + 1]
-                    addresses[value] = " ".join(p for p in value.split() if not p.startswith("cache-dir="))
-        nodes_at = [("127.0.0.1", native.free_port(), None) for _ in range(nodes)]
-        compose = {"services": {name: service | {"command": [addresses.get(t, t) for t in service["command"]]}
-                                for name, service in compose["services"].items()}}
-        native.start_federation(started, compose, link, nodes_at)
+        native.start_federation(started, compose, link, [("127.0.0.1", native.free_port(), None) for _ in range(nodes)])
         home = native.cli_home(work / "cli-home", f"{link[0]}:{link[1]}")
-        return flwr_run(home, ["deployment"], run_config, [], timeout)
+        return flwr_run(home, ["deployment", "--run-config", run_config], timeout)
     finally:
         started.stop()
 
@@ -87,13 +79,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     rows = []
-    paths = {
-        "simulation (Ray, flwr run)": lambda work, rc: simulation(work, rc, args.nodes, args.timeout),
-        "deployment, node cache": lambda work, rc: deployment(work, rc, args.nodes, True, args.timeout),
-        "deployment, no cache": lambda work, rc: deployment(work, rc, args.nodes, False, args.timeout),
-    }
-    for label, run in paths.items():
-        name = label.split(",")[0].split(" ")[0] + ("-nocache" if "no cache" in label else "")
+    paths = [
+        ("simulation", "simulation (Ray, flwr run)", lambda work, rc: simulation(work, rc, args.nodes, args.timeout)),
+        ("deployment", "deployment, node cache",
+         lambda work, rc: deployment(work, rc, args.nodes, True, args.timeout)),
+        ("deployment-nocache", "deployment, no cache",
+         lambda work, rc: deployment(work, rc, args.nodes, False, args.timeout)),
+    ]
+    for name, label, run in paths:
         run_config = (f"method='{args.method}' num-server-rounds={args.rounds} output-dir='{args.out}' "
                       f"run-name='{name}' {args.run_config}")
         with tempfile.TemporaryDirectory() as work:
