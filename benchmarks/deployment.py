@@ -25,10 +25,8 @@ import native  # noqa: E402
 
 def flwr_run(home: Path, args: list[str], timeout: int, env: dict[str, str] | None = None) -> float:
     """Seconds that ``flwr run <ROOT> <args> --stream`` took; raises with its output if it failed."""
-    command = [str(native.BIN / "flwr"), "run", str(ROOT), *args, "--stream"]
     started = time.perf_counter()
-    run = subprocess.run(command, env=native.environment() | (env or {}) | {"FLWR_HOME": str(home)},
-                         capture_output=True, text=True, timeout=timeout)
+    run = native.flwr(home, ["run", str(ROOT), *args, "--stream"], timeout, env)
     if run.returncode != 0:
         raise RuntimeError(run.stdout[-3000:] + run.stderr[-3000:])
     return time.perf_counter() - started

@@ -95,6 +95,13 @@ def environment() -> dict[str, str]:
                          "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
 
+def flwr(home: Path, args: list[str], timeout: float,
+         env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """This environment's ``flwr <args>`` with ``home`` as its Flower home (output captured)."""
+    return subprocess.run([str(BIN / "flwr"), *args], env=environment() | dict(env or {}) | {"FLWR_HOME": str(home)},
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -20,15 +20,10 @@ NUM_NODES = 2
 RUN_TIMEOUT = 420
 
 
-def _flwr(home, *args, timeout=60):
-    return subprocess.run([str(native.BIN / "flwr"), *args], env=native.environment() | {"FLWR_HOME": str(home)},
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def _run_fedproto(tmp_path, cli_home, name):
     run_config = f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'"
-    run = _flwr(cli_home, "run", str(ROOT), "deployment", "--stream", "--run-config", run_config,
-                timeout=RUN_TIMEOUT)
+    run = native.flwr(cli_home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config],
+                      timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((tmp_path / name / "results.json").read_text())
 
@@ -83,7 +78,8 @@ def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployme
 
     def register():
         for i in range(1, NUM_NODES + 1):
-            registered = _flwr(cli_home, "supernode", "register", str(credentials / f"supernode-{i}.pub"), "deployment")
+            key = str(credentials / f"supernode-{i}.pub")
+            registered = native.flwr(cli_home, ["supernode", "register", key, "deployment"], timeout=60)
             assert registered.returncode == 0, registered.stdout + registered.stderr
 
     nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
