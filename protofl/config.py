@@ -27,6 +27,9 @@ class ExperimentConfig:
     alpha: float = 0.5
     classes_per_client: int = 2
     test_fraction: float = 0.25
+    data_fraction: float = 1.0
+    scarce_clients: int = 0
+    scarce_fraction: float = 0.1
     num_server_rounds: int = 20
     fraction_fit: float = 1.0
     min_fit_clients: int = 2
@@ -74,6 +77,11 @@ class ExperimentConfig:
             )
         if not 0.0 < self.fraction_fit <= 1.0:
             raise ValueError(f"fraction-fit must be in (0, 1], got {self.fraction_fit}")
+        for name in ("data_fraction", "scarce_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+        if self.scarce_clients < 0:
+            raise ValueError(f"scarce-clients must be >= 0, got {self.scarce_clients}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"test-fraction must be in (0, 1), got {self.test_fraction}")
         for name in ("num_server_rounds", "local_epochs", "batch_size", "min_fit_clients"):
@@ -102,6 +110,9 @@ class ExperimentConfig:
             classes_per_client=int(self.classes_per_client),
             test_fraction=float(self.test_fraction),
             seed=int(self.seed),
+            data_fraction=float(self.data_fraction),
+            scarce_clients=int(self.scarce_clients),
+            scarce_fraction=float(self.scarce_fraction) if self.scarce_clients else 1.0,
         )
 
     def is_eval_round(self, server_round: int) -> bool:

@@ -34,8 +34,8 @@ def personalized_stats(correct: Sequence[int], totals: Sequence[int]) -> dict[st
     """Across-client accuracy statistics.
 
     ``accuracy`` is sample-weighted (sum correct / sum tested), ``mean`` and ``std`` are the
-    unweighted mean and population std of per-client accuracies, ``worst10`` the mean of the
-    lowest 10 % of clients (at least one client).
+    unweighted mean and population std of per-client accuracies, ``min`` the lowest of them,
+    ``worst10`` the mean of the lowest 10 % of clients (at least one client).
     """
     correct_arr = np.asarray(correct, dtype=float)
     totals_arr = np.asarray(totals, dtype=float)
@@ -47,6 +47,7 @@ def personalized_stats(correct: Sequence[int], totals: Sequence[int]) -> dict[st
         "accuracy": float(correct_arr.sum() / totals_arr.sum()),
         "mean": float(per_client.mean()),
         "std": float(per_client.std()),
+        "min": float(per_client.min()),
         "worst10": float(np.sort(per_client)[:k].mean()),
     }
 

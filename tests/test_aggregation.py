@@ -68,6 +68,7 @@ def test_personalized_stats_hand_computed():
     assert stats["mean"] == pytest.approx((0.9 + 0.5 + 0.0) / 3)
     assert stats["std"] == pytest.approx(np.sqrt((0.4333333**2 + 0.0333333**2 + 0.4666667**2) / 3), rel=1e-5)
     assert stats["worst10"] == 0.0  # ceil(10 % of 3) = 1 client
+    assert personalized_stats([9, 5, 3], [10, 10, 5])["min"] == 0.5
 
 
 def test_worst10_averages_the_lowest_tenth():

@@ -70,3 +70,32 @@ def test_client_split_is_a_split_of_the_partition():
     train, test = client_split(LABELS, parts[2], spec, 2)
     assert set(train) | set(test) == set(parts[2]) and not set(train) & set(test)
     assert abs(len(test) / len(parts[2]) - 0.25) < 0.05
+
+
+def test_pfllib_pathological_groups_clients_in_class_order():
+    labels = np.repeat(np.arange(10), 300)
+    spec = PartitionSpec("pathological-pfllib", 20, classes_per_client=2, seed=0)
+    parts = partition_indices(labels, spec)
+    for client, part in enumerate(parts):
+        first = 2 * (client // 4)  # clients 0-3 hold {0, 1}, 4-7 {2, 3}, ...
+        assert set(np.unique(labels[part])) == {first, first + 1}
+    joined = np.concatenate(parts)
+    assert sorted(joined.tolist()) == list(range(len(labels)))  # every sample, once
+    sizes = [np.sum(labels[p] == 0) for p in parts[:4]]
+    assert len(set(sizes)) > 1 and min(sizes) >= 30 // 4  # random shards, none below n_c / (10 K)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, partition_indices(labels, spec)))
+    with pytest.raises(ValueError, match="free class slot"):
+        partition_indices(labels, PartitionSpec("pathological-pfllib", 3, classes_per_client=2, seed=0))
+
+
+def test_scarcity_cuts_the_last_clients_and_keeps_their_label_mix():
+    spec = PartitionSpec("iid", 4, seed=0, scarce_clients=1, scarce_fraction=0.1)
+    assert [spec.kept_fraction(i) for i in range(4)] == [1.0, 1.0, 1.0, 0.1]
+    assert PartitionSpec("iid", 4, data_fraction=0.5, scarce_clients=1, scarce_fraction=0.1).kept_fraction(3) == 0.05
+    parts = partition_indices(LABELS, spec)
+    full = client_split(LABELS, parts[0], spec, 0)
+    train, test = client_split(LABELS, parts[3], spec, 3)
+    assert len(full[0]) + len(full[1]) == 500
+    assert set(train) | set(test) <= set(parts[3]) and not set(train) & set(test)
+    kept = np.bincount(LABELS[np.concatenate([train, test])], minlength=10)
+    assert kept.tolist() == np.round(np.bincount(LABELS[parts[3]], minlength=10) * 0.1).astype(int).tolist()

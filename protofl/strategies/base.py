@@ -435,6 +435,7 @@ class PrototypeStrategy(Strategy):
                     personalized_accuracy=stats["accuracy"],
                     personalized_accuracy_mean=stats["mean"],
                     personalized_std=stats["std"],
+                    personalized_min=stats["min"],
                     personalized_worst10=stats["worst10"],
                 )
         for key in ("pm-l", "pm-v"):  # FedNH's PM(L) / PM(V): unweighted over clients, as the paper

@@ -2,19 +2,21 @@
 
 The partitioners are flwr-datasets' own (IID, Dirichlet, pathological), run over a small
 ``datasets.Dataset`` holding only ``label`` and ``idx`` columns; the images stay in numpy.
+``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol), here.
+Data scarcity (FedCoSR §6.3) cuts clients' shares, per class, before their train/test split.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
+PARTITION_SCHEMES = ("iid", "dirichlet", "pathological", "pathological-pfllib")
 MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and test split
-
-
+PFLLIB_LEAST_SAMPLES = 40  # PFLlib's least_samples: batch 10 / (1 - 0.75 train share)
 
 @dataclass(frozen=True)
 class PartitionSpec:
@@ -26,6 +28,48 @@ class PartitionSpec:
     classes_per_client: int = 2
     test_fraction: float = 0.25
     seed: int = 0
+    data_fraction: float = 1.0  # every client keeps this share of its partition
+    scarce_clients: int = 0  # ... and the last `scarce_clients` clients only `scarce_fraction` of that
+    scarce_fraction: float = 1.0
+
+    def kept_fraction(self, partition_id: int) -> float:
+        """The share of its partition that a client keeps (1.0: all of it)."""
+        scarce = partition_id >= self.num_partitions - self.scarce_clients
+        return self.data_fraction * (self.scarce_fraction if scarce else 1.0)
+
+
+def pfllib_pathological(
+    labels: np.ndarray, num_partitions: int, classes_per_client: int, seed: int
+) -> list[np.ndarray]:
+    """PFLlib's pathological split: classes in order, each shared by the first
+    ceil(N * s / C) clients that still have a free class slot (N = 20, s = 2, C = 10: clients
+    0-3 get classes {0, 1}, 4-7 {2, 3}, ...). Shard sizes are drawn from
+    [max(n_c / (10 K), least / C), n_c / K) for K holders; the last holder gets the rest."""
+    num_classes = int(labels.max()) + 1
+    if not 1 <= classes_per_client <= num_classes:
+        raise ValueError(f"classes-per-client must be in [1, {num_classes}], got {classes_per_client}")
+    holders_per_class = math.ceil(num_partitions * classes_per_client / num_classes)
+    free_slots = np.full(num_partitions, classes_per_client)
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+    for c in range(num_classes):
+        indices = np.flatnonzero(labels == c)
+        holders = np.flatnonzero(free_slots > 0)[:holders_per_class]
+        if len(holders) == 0:
+            raise ValueError(
+                f"pathological-pfllib: no client has a free class slot for class {c}; "
+                f"num-partitions x classes-per-client must reach the {num_classes} classes"
+            )
+        share = len(indices) / len(holders)
+        low = int(max(share / 10, PFLLIB_LEAST_SAMPLES / num_classes))
+        sizes = rng.integers(low, max(int(share), low + 1), size=len(holders) - 1).tolist()
+        sizes.append(len(indices) - sum(sizes))
+        if sizes[-1] < 1:
+            raise ValueError(f"pathological-pfllib: class {c} has too few samples ({len(indices)})")
+        for holder, shard in zip(holders, np.split(indices, np.cumsum(sizes)[:-1])):
+            parts[holder].append(shard)
+            free_slots[holder] -= 1
+    return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
 
 
 def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarray]:
@@ -47,6 +91,8 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
         raise ValueError(f"num-partitions must be >= 1, got {n}")
     if n > len(labels):
         raise ValueError(f"cannot split {len(labels)} samples into {n} partitions")
+    if spec.scheme == "pathological-pfllib":
+        return _checked(pfllib_pathological(labels, n, int(spec.classes_per_client), spec.seed), spec)
     order = np.arange(len(labels))
     if spec.scheme == "iid":
         # IidPartitioner takes contiguous shards, so shuffle the table with the seed first.
@@ -94,6 +140,10 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
             f"could not build the {spec.scheme!r} partition of {len(labels)} samples into {n} "
             f"clients ({err}); use fewer clients or a larger alpha"
         ) from err
+    return _checked(parts, spec)
+
+
+def _checked(parts: list[np.ndarray], spec: PartitionSpec) -> list[np.ndarray]:
     small = [i for i, part in enumerate(parts) if len(part) < MIN_PARTITION_SIZE]
     if small:
         sizes = ", ".join(f"{i}: {len(parts[i])}" for i in small)
@@ -125,10 +175,24 @@ def stratified_split(
     return np.flatnonzero(mask), test_positions
 
 
+def stratified_subsample(labels: np.ndarray, fraction: float, seed: tuple[int, ...]) -> np.ndarray:
+    """Sorted positions keeping ``fraction`` of every class (at least one sample of each)."""
+    rng = np.random.default_rng(seed)
+    kept = [
+        rng.permutation(positions)[: max(1, int(round(len(positions) * fraction)))]
+        for positions in (np.flatnonzero(labels == c) for c in np.unique(labels))
+    ]
+    return np.sort(np.concatenate(kept))
+
+
 def client_split(
     labels: np.ndarray, partition: np.ndarray, spec: PartitionSpec, partition_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A client's (train, test) sample indices: its partition split per class."""
+    """A client's (train, test) sample indices: its partition, cut to its kept fraction with the
+    label distribution unchanged, then split per class."""
+    fraction = spec.kept_fraction(partition_id)
+    if fraction < 1.0:
+        partition = partition[stratified_subsample(labels[partition], fraction, (spec.seed, partition_id, 1))]
     train_pos, test_pos = stratified_split(
         labels[partition], spec.test_fraction, seed=(spec.seed, partition_id)
     )
