@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from protofl.report import class_weighted_accuracy, personalized_stats, summarize
-from protofl.strategies.base import client_seed, sample_partitions, weighted_average
-from protofl.strategies.fedproto import aggregate_prototypes, prototype_loss
+from protofl.strategies.base import aggregate_prototypes, client_seed, sample_partitions, weighted_average
+from protofl.strategies.fedproto import prototype_loss
 
 # two clients, three classes, 2-d features; nobody holds class 2 (client A's row is junk)
 PROTOTYPES = np.array(

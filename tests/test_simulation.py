@@ -105,3 +105,25 @@ def test_fednh_sends_prototypes_both_ways_and_reports_gm_pm_l_pm_v(tmp_path):
     assert results["rounds"][-1]["global_accuracy"] >= 0.5
     assert results["rounds"][-1]["personalized_accuracy"] >= 0.5
     assert results["summary"]["pm_l"]["final_round"] == 2
+
+
+def test_fedcosr_shares_phi_and_prototypes_keeps_heads_and_mixes_from_round_2(tmp_path):
+    results = simulate(tmp_path, "cosr", method="fedcosr", **{"num-server-rounds": 3})
+    from protofl.strategies import build_method_model
+    from protofl.task.data import load_dataset
+
+    state = build_method_model(ExperimentConfig(method="fedcosr"), load_dataset("digits")).state_dict()
+    phi_bytes = sum(v.numpy().nbytes + 128 for k, v in state.items() if not k.startswith("head."))
+    prototype_bytes = 10 * 512 * 4 + 128
+    first, *later = results["rounds"]
+    assert first["bytes_down"] == 3 * phi_bytes  # no prototypes yet, no head ever
+    assert first["la_tau_max"] == 0.0 and first.get("contrastive_loss") is None  # CE only, overwrite
+    for record in results["rounds"]:
+        assert record["bytes_up"] == 3 * (phi_bytes + prototype_bytes + 10 * 8 + 128)
+        assert record["global_accuracy"] is None  # no global model: the heads are personal
+    for record in later:
+        assert record["bytes_down"] == 3 * (phi_bytes + prototype_bytes + 10 + 128)  # + prototypes, mask
+        assert 0.0 < record["la_tau_min"] <= record["la_tau_max"] <= 1.0
+        assert record["contrastive_loss"] > 0
+    assert later[-1]["personalized_accuracy"] >= 0.5
+    assert 0.0 <= later[-1]["personalized_min"] <= later[-1]["personalized_accuracy_mean"]

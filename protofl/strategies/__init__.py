@@ -12,7 +12,7 @@ from protofl.config import ExperimentConfig
 from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model
 
-METHODS = ("fedavg", "fedproto", "fednh")
+METHODS = ("fedavg", "fedproto", "fednh", "fedcosr")
 
 
 def _module(name: str):

@@ -3,8 +3,8 @@
 A method module subclasses :class:`PrototypeStrategy` (server rule) and
 :class:`PrototypeClient` (client rule) and overrides only the hooks it needs:
 
-server: ``has_global_model``, ``upload_spec()``, ``check_update()``, ``broadcast()``,
-``aggregate_updates()``
+server: ``has_global_model``, ``shared_weights()``, ``upload_spec()``, ``check_update()``,
+``broadcast()``, ``aggregate_updates()``
 client: ``fit()``, ``evaluate()`` (helpers for payloads, seeds and state are here)
 
 Wire format (legacy Flower API): arrays travel as ``np.save(..., allow_pickle=False)`` bytes in
@@ -179,6 +179,30 @@ def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = 
     return weighted_average([u.parameters for u in updates], weights)
 
 
+PROTOTYPE_WEIGHTINGS = ("count", "uniform")
+
+
+def aggregate_prototypes(
+    prototypes: np.ndarray, counts: np.ndarray, weighting: str = "count"
+) -> tuple[np.ndarray, np.ndarray]:
+    """K x C x d client prototypes and K x C counts -> (C x d global prototypes, C mask).
+
+    Class c's global prototype is the mean of the clients' prototypes of c weighted by their
+    counts of c (``count``) or unweighted over the clients holding c (``uniform``). The mask
+    marks classes held by at least one client; their rows are zero otherwise.
+    """
+    if weighting not in PROTOTYPE_WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {PROTOTYPE_WEIGHTINGS}, got {weighting!r}")
+    held = counts > 0
+    weights = counts.astype(np.float64) if weighting == "count" else held.astype(np.float64)
+    total = weights.sum(axis=0)
+    summed = np.einsum("kc,kcd->cd", weights, prototypes.astype(np.float64))
+    mask = total > 0
+    global_prototypes = np.zeros(prototypes.shape[1:], dtype=np.float32)
+    global_prototypes[mask] = summed[mask] / total[mask, None]
+    return global_prototypes, mask
+
+
 class PrototypeStrategy(Strategy):
     """Flower Strategy with seeded sampling, payload validation, GM/PM evaluation and results.
 
@@ -214,6 +238,11 @@ class PrototypeStrategy(Strategy):
         self.round_started = 0.0
 
     # --- hooks for methods --------------------------------------------------------------
+
+    def shared_weights(self) -> list[np.ndarray]:
+        """Initial values of the model arrays exchanged with clients, in order: sent in round 1 and
+        the shapes every client's fit result must have (the whole model, or none)."""
+        return self.initial_weights if self.has_global_model else []
 
     def upload_spec(self) -> dict[str, ArraySpec]:
         """Arrays each client must send in its fit metrics (key -> spec)."""
@@ -275,7 +304,7 @@ class PrototypeStrategy(Strategy):
     # --- Strategy API ---------------------------------------------------------------------
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
-        return ndarrays_to_parameters(self.initial_weights if self.has_global_model else [])
+        return ndarrays_to_parameters(self.shared_weights())
 
     def _configs(self, server_round: int, partition_ids: Sequence[int]) -> list[dict[str, Scalar]]:
         """Per-client config: round, the client's seed, and the broadcast arrays (encoded once)."""
@@ -317,17 +346,15 @@ class PrototypeStrategy(Strategy):
         if not isinstance(loss, (int, float)) or not math.isfinite(loss):
             raise PayloadError(f"train-loss must be a finite number, got {loss!r}")
         parameters: list[np.ndarray] = []
-        if self.has_global_model:
-            if len(res.parameters.tensors) != len(self.initial_weights):
-                raise PayloadError(
-                    f"{len(res.parameters.tensors)} parameter arrays, expected {len(self.initial_weights)}"
-                )
-            for i, (tensor, reference) in enumerate(zip(res.parameters.tensors, self.initial_weights)):
-                spec = ArraySpec(reference.shape, (reference.dtype.name,))
-                try:
-                    parameters.append(decode_array(tensor, spec, self.max_payload_bytes))
-                except PayloadError as err:
-                    raise PayloadError(f"parameter array {i}: {err}") from None
+        references = self.shared_weights()
+        if references and len(res.parameters.tensors) != len(references):
+            raise PayloadError(f"{len(res.parameters.tensors)} parameter arrays, expected {len(references)}")
+        for i, (tensor, reference) in enumerate(zip(res.parameters.tensors, references)):
+            spec = ArraySpec(reference.shape, (reference.dtype.name,))
+            try:
+                parameters.append(decode_array(tensor, spec, self.max_payload_bytes))
+            except PayloadError as err:
+                raise PayloadError(f"parameter array {i}: {err}") from None
         payload = {}
         for key, spec in self.upload_spec().items():
             if key not in metrics:
@@ -588,6 +615,16 @@ class PrototypeClient(NumPyClient):
         if key not in config:
             return None
         return decode_array(config[key], spec, self.max_payload_bytes)
+
+    def global_prototypes(self, config: Mapping[str, Scalar]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The server's (C x d prototypes, C mask of classes that have one) on this client's
+        device; None before the server has any."""
+        c, d = self.data.num_classes, self.model.feature_dim
+        prototypes = self.received(config, "global-prototypes", ArraySpec((c, d)))
+        mask = self.received(config, "global-prototype-mask", ArraySpec((c,), ("bool",)))
+        if prototypes is None or mask is None:
+            return None
+        return torch.from_numpy(prototypes).to(self.device), torch.from_numpy(mask).to(self.device)
 
     def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
         return {

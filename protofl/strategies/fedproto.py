@@ -20,10 +20,12 @@ import numpy as np
 import torch
 
 from protofl.strategies.base import (
+    PROTOTYPE_WEIGHTINGS,
     ArraySpec,
     ClientUpdate,
     PrototypeClient,
     PrototypeStrategy,
+    aggregate_prototypes,
     average_parameters,
     get_weights,
     set_weights,
@@ -37,27 +39,7 @@ from protofl.task.train import (
     train,
 )
 
-WEIGHTINGS = ("count", "uniform")
 INFERENCES = ("prototype", "head")
-
-
-def aggregate_prototypes(
-    prototypes: np.ndarray, counts: np.ndarray, weighting: str = "count"
-) -> tuple[np.ndarray, np.ndarray]:
-    """K x C x d client prototypes and K x C counts -> (C x d global prototypes, C mask).
-
-    The mask marks classes held by at least one client; their rows are zero otherwise.
-    """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    held = counts > 0
-    weights = counts.astype(np.float64) if weighting == "count" else held.astype(np.float64)
-    total = weights.sum(axis=0)
-    summed = np.einsum("kc,kcd->cd", weights, prototypes.astype(np.float64))
-    mask = total > 0
-    global_prototypes = np.zeros(prototypes.shape[1:], dtype=np.float32)
-    global_prototypes[mask] = summed[mask] / total[mask, None]
-    return global_prototypes, mask
 
 
 def prototype_loss(
@@ -75,8 +57,8 @@ class FedProtoStrategy(PrototypeStrategy):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.weighting = str(self.config.option("weighting", "count"))
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"fedproto.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.weighting not in PROTOTYPE_WEIGHTINGS:
+            raise ValueError(f"fedproto.weighting must be one of {PROTOTYPE_WEIGHTINGS}, got {self.weighting!r}")
         self.global_prototypes: np.ndarray | None = None
         self.prototype_mask: np.ndarray | None = None
 
@@ -121,17 +103,9 @@ class FedProtoClient(PrototypeClient):
         else:
             self.restore_personal_model()
 
-    def _global_prototypes(self, config) -> tuple[torch.Tensor, torch.Tensor] | None:
-        c, d = self.data.num_classes, self.model.feature_dim
-        prototypes = self.received(config, "global-prototypes", ArraySpec((c, d)))
-        mask = self.received(config, "global-prototype-mask", ArraySpec((c,), ("bool",)))
-        if prototypes is None or mask is None:
-            return None
-        return torch.from_numpy(prototypes).to(self.device), torch.from_numpy(mask).to(self.device)
-
     def fit(self, parameters, config):
         self._load_model(parameters)
-        received = self._global_prototypes(config)
+        received = self.global_prototypes(config)
         extra_loss = None
         if received is not None and self.lam > 0:
             prototypes, mask = received
@@ -155,7 +129,7 @@ class FedProtoClient(PrototypeClient):
         features, logits = features_and_logits(self.model, self.data.test_x)
         loss, correct_head = head_loss_and_correct(logits, self.data.test_y)
         metrics = {"partition-id": self.data.partition_id, "correct-head": correct_head}
-        received = self._global_prototypes(config)
+        received = self.global_prototypes(config)
         correct, predict = correct_head, head_prediction
         if received is not None:
             predicted = nearest_prototype(features, *received)
