@@ -13,7 +13,7 @@ from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
 from protofl.config import ExperimentConfig
 from protofl.strategies import build_method_model
-from protofl.strategies.base import encode_array
+from protofl.strategies.base import encode_array, get_weights
 from protofl.strategies.fedcosr import (
     FedCoSRClient,
     FedCoSRStrategy,
