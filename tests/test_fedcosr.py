@@ -216,3 +216,31 @@ def test_share_head_ablation_exchanges_and_mixes_the_whole_model():
     assert again._local_aggregation(zeros, None) == 0.5
     for mixed, local in zip(get_weights(again.model), trained):
         np.testing.assert_allclose(mixed, 0.5 * local, rtol=1e-6)  # the head too
+
+
+def test_fresh_eval_tau_and_evaluation_after_aggregation():
+    state = RecordDict()
+    client = make_client(state)
+    client.fit(body_arrays(client), {"server-round": 1, "seed": 1})
+    prototypes = class_means(features_and_logits(client.model, client.data.train_x)[0], client.data.train_y, 10)[0]
+    _, _, metrics = make_client(state).fit(body_arrays(client), prototype_config(2, prototypes))
+    stored = metrics["contrastive-loss"]
+
+    fresh = make_client(state, **{"tau-loss": "fresh-eval"})
+    fresh.restore_personal_model()
+    features, _ = features_and_logits(fresh.model, fresh.data.train_x)
+    expected = prototype_info_nce(features, fresh.data.train_y, torch.from_numpy(prototypes), torch.ones(10, dtype=bool),
+                                  0.1).mean().item()
+    assert expected != pytest.approx(stored, rel=1e-3)
+    global_phi = [a * 0 for a in body_arrays(fresh)]
+    tau = fresh._local_aggregation(global_phi, fresh.global_prototypes(prototype_config(3, prototypes)))
+    assert tau == pytest.approx(math.exp(-expected), rel=1e-5)
+
+    # PM after fit scores the stored model; after aggregation, the stored model mixed with global phi
+    config = prototype_config(3, prototypes)
+    after_fit = make_client(state).evaluate(global_phi, config)
+    after_aggregation = make_client(state, **{"evaluate-at": "after-aggregation"}).evaluate(global_phi, config)
+    stored_model = make_client(state)
+    stored_model.restore_personal_model()
+    assert after_fit == stored_model.evaluate_head()
+    assert after_aggregation[0] != after_fit[0]
