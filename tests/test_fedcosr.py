@@ -229,8 +229,9 @@ def test_fresh_eval_tau_and_evaluation_after_aggregation():
     fresh = make_client(state, **{"tau-loss": "fresh-eval"})
     fresh.restore_personal_model()
     features, _ = features_and_logits(fresh.model, fresh.data.train_x)
-    expected = prototype_info_nce(features, fresh.data.train_y, torch.from_numpy(prototypes), torch.ones(10, dtype=bool),
-                                  0.1).mean().item()
+    everything = torch.ones(10, dtype=bool)
+    expected = prototype_info_nce(features, fresh.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
+    expected = expected.mean().item()
     assert expected != pytest.approx(stored, rel=1e-3)
     global_phi = [a * 0 for a in body_arrays(fresh)]
     tau = fresh._local_aggregation(global_phi, fresh.global_prototypes(prototype_config(3, prototypes)))
