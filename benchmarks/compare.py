@@ -60,7 +60,12 @@ def run_with_flower(label: str, run_config: str, federation_config: str, out: Pa
     if returncode != 0 or not results_path.exists():
         print(f"=== {label} failed (exit code {returncode}, no {results_path})", flush=True)
         return None, wall
-    return json.loads(results_path.read_text()), wall
+    results = json.loads(results_path.read_text())
+    rounds, wanted = results["rounds"], results["run_config"]["num_server_rounds"]
+    if not rounds or rounds[-1]["round"] != wanted:  # `flwr run` can exit 0 when its run was killed
+        print(f"=== {label} failed: {len(rounds)} of {wanted} rounds in {results_path}", flush=True)
+        return None, wall
+    return results, wall
 
 
 def main(argv: list[str] | None = None) -> int:
