@@ -173,6 +173,12 @@ class ClientUpdate:
     metrics: dict[str, Scalar] = field(default_factory=dict)
 
 
+def check_class_counts(update: ClientUpdate) -> None:
+    """The uploaded class counts must add up to the client's training size."""
+    if int(update.payload["class-counts"].sum()) != update.num_examples:
+        raise PayloadError("class counts do not add up to num_examples")
+
+
 def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = True) -> list[np.ndarray]:
     """The clients' parameters averaged layer-wise, weighted by their training sizes or unweighted."""
     weights = [u.num_examples if by_sample_count else 1 for u in updates]
@@ -247,6 +253,13 @@ class PrototypeStrategy(Strategy):
     def upload_spec(self) -> dict[str, ArraySpec]:
         """Arrays each client must send in its fit metrics (key -> spec)."""
         return {}
+
+    def class_statistics_spec(self, means_key: str) -> dict[str, ArraySpec]:
+        """Upload spec of per-class mean features (C x d, under ``means_key``) and class counts."""
+        return {
+            means_key: ArraySpec((self.num_classes, self.feature_dim)),
+            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
+        }
 
     def check_update(self, update: ClientUpdate) -> None:
         """Method-specific checks of a decoded update; raise :class:`PayloadError` to drop it."""

@@ -46,6 +46,7 @@ from protofl.strategies.base import (
     PrototypeStrategy,
     aggregate_prototypes,
     average_parameters,
+    check_class_counts,
 )
 from protofl.task.train import class_means, features_and_logits, train
 
@@ -156,14 +157,10 @@ class FedCoSRStrategy(PrototypeStrategy):
         return [self.initial_weights[i] for i in self.shared_indices]
 
     def upload_spec(self) -> dict[str, ArraySpec]:
-        return {
-            "prototypes": ArraySpec((self.num_classes, self.feature_dim)),
-            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
-        }
+        return self.class_statistics_spec("prototypes")
 
     def check_update(self, update: ClientUpdate) -> None:
-        if int(update.payload["class-counts"].sum()) != update.num_examples:
-            raise PayloadError("class counts do not add up to num_examples")
+        check_class_counts(update)
         tau = update.metrics.get("la-tau")
         if not isinstance(tau, float) or not 0.0 <= tau <= 1.0:
             raise PayloadError(f"la-tau must be a float in [0, 1], got {tau!r}")

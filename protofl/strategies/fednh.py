@@ -37,6 +37,7 @@ from protofl.strategies.base import (
     PrototypeClient,
     PrototypeStrategy,
     average_parameters,
+    check_class_counts,
     get_weights,
     set_weights,
 )
@@ -175,14 +176,10 @@ class FedNHStrategy(PrototypeStrategy):
         return self.model.head.prototypes.cpu().numpy()
 
     def upload_spec(self) -> dict[str, ArraySpec]:
-        return {
-            "class-means": ArraySpec((self.num_classes, self.feature_dim)),
-            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
-        }
+        return self.class_statistics_spec("class-means")
 
     def check_update(self, update: ClientUpdate) -> None:
-        if int(update.payload["class-counts"].sum()) != update.num_examples:
-            raise PayloadError("class counts do not add up to num_examples")
+        check_class_counts(update)
         if (np.linalg.norm(update.payload["class-means"], axis=1) > 1.0 + 1e-3).any():
             raise PayloadError("a class mean of unit features has a norm above 1")
 

@@ -67,10 +67,7 @@ class FedProtoStrategy(PrototypeStrategy):
         return bool(self.config.option("average-parameters", False))
 
     def upload_spec(self) -> dict[str, ArraySpec]:
-        return {
-            "prototypes": ArraySpec((self.num_classes, self.feature_dim), ("float32",)),
-            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
-        }
+        return self.class_statistics_spec("prototypes")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         if self.global_prototypes is None:
