@@ -102,6 +102,14 @@ class ExperimentConfig:
         """A value from this method's nested run-config table."""
         return self.options.get(key, default)
 
+    def options_as(self, cls: type) -> Any:
+        """This method's table as the dataclass ``cls`` ("-" in keys read as "_"); unknown keys are an error."""
+        values = {k.replace("-", "_"): v for k, v in self.options.items()}
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {self.method} option(s) {sorted(unknown)}")
+        return cls(**values)
+
     def partition_spec(self, num_partitions: int) -> PartitionSpec:
         return PartitionSpec(
             scheme=self.partition,

@@ -209,6 +209,14 @@ def aggregate_prototypes(
     return global_prototypes, mask
 
 
+def prototype_broadcast(prototypes: np.ndarray | None, mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Global prototypes (C x d) and their class mask as broadcast arrays; read back by
+    :meth:`PrototypeClient.global_prototypes`. Empty before the server has any."""
+    if prototypes is None:
+        return {}
+    return {"global-prototypes": prototypes, "global-prototype-mask": mask}
+
+
 class PrototypeStrategy(Strategy):
     """Flower Strategy with seeded sampling, payload validation, GM/PM evaluation and results.
 

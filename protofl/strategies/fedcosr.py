@@ -47,6 +47,7 @@ from protofl.strategies.base import (
     aggregate_prototypes,
     average_parameters,
     check_class_counts,
+    prototype_broadcast,
 )
 from protofl.task.train import class_means, features_and_logits, train
 
@@ -70,11 +71,7 @@ class FedCoSROptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedCoSROptions":
-        values = {k.replace("-", "_"): v for k, v in config.options.items()}
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown fedcosr option(s) {sorted(unknown)}")
-        options = cls(**values)
+        options = config.options_as(cls)
         for name, allowed in (
             ("local_aggregation", LOCAL_AGGREGATIONS), ("tau_loss", TAU_LOSSES), ("evaluate_at", EVALUATE_AT)
         ):
@@ -170,9 +167,7 @@ class FedCoSRStrategy(PrototypeStrategy):
                 raise PayloadError(f"{key} must be a finite float >= 0, got {loss!r}")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        if self.prototypes is None:
-            return {}
-        return {"global-prototypes": self.prototypes, "global-prototype-mask": self.prototype_mask}
+        return prototype_broadcast(self.prototypes, self.prototype_mask)
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         prototypes, mask = aggregate_prototypes(  # Eq. 6

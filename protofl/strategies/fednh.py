@@ -59,11 +59,7 @@ class FedNHOptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedNHOptions":
-        values = {k.replace("-", "_"): v for k, v in config.options.items()}
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown fednh option(s) {sorted(unknown)}")
-        options = cls(**values)
+        options = config.options_as(cls)
         if not 0.0 <= options.rho <= 1.0:
             raise ValueError(f"fednh.rho must be in [0, 1], got {options.rho}")
         if options.prototype_init not in PROTOTYPE_INITS:

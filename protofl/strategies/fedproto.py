@@ -28,6 +28,7 @@ from protofl.strategies.base import (
     aggregate_prototypes,
     average_parameters,
     get_weights,
+    prototype_broadcast,
     set_weights,
 )
 from protofl.task.train import (
@@ -70,9 +71,7 @@ class FedProtoStrategy(PrototypeStrategy):
         return self.class_statistics_spec("prototypes")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        if self.global_prototypes is None:
-            return {}
-        return {"global-prototypes": self.global_prototypes, "global-prototype-mask": self.prototype_mask}
+        return prototype_broadcast(self.global_prototypes, self.prototype_mask)
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
         self.global_prototypes, self.prototype_mask = aggregate_prototypes(
