@@ -10,6 +10,8 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
   :func:`protofl.task.data.load_local_client_data`);
 - ``cache-dir``: keep this node's data there after its first load (deployments start a process
   per message; see :func:`protofl.task.data.cached_on_disk`);
+- ``model``: this node's architecture (e.g. ``tv-resnet18``), instead of the run config's
+  ``model`` or its family member; for methods that exchange no model parameters (FedSA, FedProto);
 - ``num-threads``: CPU threads for this node's torch work (default: torch's, one per core; set it
   when several SuperNodes share a machine, as they do in the compose demo).
 """
@@ -39,7 +41,7 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
                 raise ValueError(f"num-threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
         data = node_data(config, context.node_config, str(get_device()))
-        model = build_method_model(config, data)
+        model = build_method_model(config, data, str(context.node_config.get("model", "")) or None)
         _, client_class = get_method(config.method)
         num_partitions = int(context.node_config["num-partitions"])
         return client_class(config, data, model, num_partitions, context.state).to_client()

@@ -10,7 +10,7 @@ import importlib
 
 from protofl.config import ExperimentConfig
 from protofl.task.data import ClientData, Dataset
-from protofl.task.models import SplitModel, build_model
+from protofl.task.models import SplitModel, build_model, client_architecture
 
 METHODS = ("fedavg", "fedproto", "fednh", "fedcosr")
 
@@ -27,9 +27,17 @@ def get_method(name: str):
     return module.STRATEGY, module.CLIENT
 
 
-def build_method_model(config: ExperimentConfig, dataset: Dataset | ClientData) -> SplitModel:
+def build_method_model(
+    config: ExperimentConfig, dataset: Dataset | ClientData, architecture: str | None = None
+) -> SplitModel:
     """The configured backbone with the method's changes; identical on the server and every client
-    (a client takes the shapes from its own data)."""
-    model = build_model(config.model, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
+    (a client takes the shapes from its own data).
+
+    With a model family (``model = "htfe2"``) a client builds its member (partition id mod X) and
+    the server the first; ``architecture`` (a node's ``model`` node-config value) overrides both.
+    """
+    partition_id = dataset.partition_id if isinstance(dataset, ClientData) else 0
+    name = architecture or client_architecture(config.model, partition_id)
+    model = build_model(name, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
     prepare = getattr(_module(config.method), "prepare_model", None)
     return prepare(model, config) if prepare is not None else model

@@ -46,7 +46,7 @@ from flwr.server.strategy import Strategy
 from protofl.config import ExperimentConfig
 from protofl.report import RunRecorder, class_weighted_accuracy, personalized_stats
 from protofl.task.data import ClientData, load_global_test
-from protofl.task.models import SplitModel
+from protofl.task.models import MODEL_FAMILIES, SplitModel
 from protofl.task.train import features_and_logits, head_loss_and_correct, head_prediction
 
 # ---------------------------------------------------------------------------------------
@@ -325,6 +325,12 @@ class PrototypeStrategy(Strategy):
     # --- Strategy API ---------------------------------------------------------------------
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
+        if self.config.model in MODEL_FAMILIES and self.shared_weights():
+            raise ValueError(
+                f"model={self.config.model!r} gives clients different architectures, but {self.config.method} "
+                "exchanges model parameters; use a single architecture, or a method that shares none (fedsa, "
+                "fedproto without average-parameters)"
+            )
         return ndarrays_to_parameters(self.shared_weights())
 
     def _configs(self, server_round: int, partition_ids: Sequence[int]) -> list[dict[str, Scalar]]:
@@ -637,12 +643,22 @@ class PrototypeClient(NumPyClient):
             return None
         return decode_array(config[key], spec, self.max_payload_bytes)
 
+    def received_class_vectors(self, config: Mapping[str, Scalar], key: str) -> np.ndarray | None:
+        """A C x d array from the server config (prototypes, anchors); a clear error when d is not
+        this client's feature size (an architecture that does not fit the federation)."""
+        vectors = self.received(config, key, ArraySpec((self.data.num_classes, None)))
+        if vectors is not None and vectors.shape[1] != self.model.feature_dim:
+            raise ValueError(
+                f"the server's {key} are {vectors.shape[1]}-d, but this client's model gives "
+                f"{self.model.feature_dim}-d features: every client's architecture must end in the same feature size"
+            )
+        return vectors
+
     def global_prototypes(self, config: Mapping[str, Scalar]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The server's (C x d prototypes, C mask of classes that have one) on this client's
         device; None before the server has any."""
-        c, d = self.data.num_classes, self.model.feature_dim
-        prototypes = self.received(config, "global-prototypes", ArraySpec((c, d)))
-        mask = self.received(config, "global-prototype-mask", ArraySpec((c,), ("bool",)))
+        prototypes = self.received_class_vectors(config, "global-prototypes")
+        mask = self.received(config, "global-prototype-mask", ArraySpec((self.data.num_classes,), ("bool",)))
         if prototypes is None or mask is None:
             return None
         return torch.from_numpy(prototypes).to(self.device), torch.from_numpy(mask).to(self.device)

@@ -2,6 +2,9 @@
 
 Every model is a ``body`` (input -> feature vector) followed by a ``head`` (feature -> logits),
 so prototype methods can reach the feature space and swap or freeze the head.
+
+A *model family* (``htfe2`` ... ``htfe8``, FedSA/FedTGP's heterogeneous settings) names one
+architecture per client: client i gets the family's architecture i mod X.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+import torchvision
 from torch import nn
 
 
@@ -110,13 +115,109 @@ def resnet18_gn(in_channels: int, num_classes: int, image_size: int = 32) -> Spl
     return SplitModel(_resnet18_body(in_channels, group_norm), nn.Linear(512, num_classes, bias=False), 512)
 
 
-MODELS = {"cnn": cnn, "fednh-cnn": fednh_cnn, "resnet18": resnet18, "resnet18-gn": resnet18_gn}
+class FeaturePool(nn.Module):
+    """Average-pools a flat feature vector to ``dim`` values (FedSA/HtFLlib's ``AdaptiveAvgPool1d``
+    after each extractor: 2048 -> 512 averages groups of 4); the identity when the size is ``dim``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        return x if x.shape[1] == self.dim else F.adaptive_avg_pool1d(x.unsqueeze(1), self.dim).squeeze(1)
+
+
+def _new_stem(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:
+    """``conv`` rebuilt for ``in_channels`` inputs (grey-scale data), Kaiming-initialised."""
+    stem = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, bias=False)
+    nn.init.kaiming_normal_(stem.weight, mode="fan_out", nonlinearity="relu")
+    return stem
+
+
+def _torchvision_split(net: nn.Module, classifier: str, num_classes: int, feature_dim: int = 512) -> SplitModel:
+    """torchvision ``net`` with its final ``classifier`` Linear replaced by a pool to ``feature_dim``
+    (inside the body, after the model's own dropout), and a Linear(feature_dim, C) head."""
+    parent = net
+    *path, last = classifier.split(".")
+    for name in path:
+        parent = getattr(parent, name)
+    setattr(parent, last, nn.Identity())
+    return SplitModel(nn.Sequential(net, FeaturePool(feature_dim)), nn.Linear(feature_dim, num_classes), feature_dim)
+
+
+def _imagenet_resnet(block: type, layers: list[int]) -> Callable[[int, int, int], SplitModel]:
+    """torchvision ResNet with its unmodified ImageNet stem (7x7 stride-2 conv + max-pool), as
+    HtFLlib uses even on 32x32 inputs; the pooled feature (512, or 2048 -> 512) is the feature."""
+
+    def build(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+        net = torchvision.models.resnet.ResNet(block, layers)
+        if in_channels != 3:
+            net.conv1 = _new_stem(net.conv1, in_channels)
+        return _torchvision_split(net, "fc", num_classes)
+
+    return build
+
+
+def googlenet(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+    """torchvision GoogLeNet without auxiliary heads; 1024 -> 512 pooled feature after its dropout."""
+    net = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True)
+    if in_channels != 3:
+        net.conv1.conv = _new_stem(net.conv1.conv, in_channels)
+    return _torchvision_split(net, "fc", num_classes)
+
+
+def mobilenet_v2(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+    """torchvision MobileNetV2 (width 1.0, 1280 channels, dropout 0.2); 1280 -> 512 pooled feature."""
+    net = torchvision.models.mobilenet_v2(weights=None)
+    if in_channels != 3:
+        net.features[0][0] = _new_stem(net.features[0][0], in_channels)
+    return _torchvision_split(net, "classifier.1", num_classes)
+
+
+_BASIC, _BOTTLENECK = torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck
+
+MODELS = {
+    "cnn": cnn,
+    "fednh-cnn": fednh_cnn,
+    "resnet18": resnet18,
+    "resnet18-gn": resnet18_gn,
+    # ImageNet-stem torchvision backbones of the heterogeneous settings, all with 512-d features
+    "tv-resnet10": _imagenet_resnet(_BASIC, [1, 1, 1, 1]),
+    "tv-resnet18": _imagenet_resnet(_BASIC, [2, 2, 2, 2]),
+    "tv-resnet34": _imagenet_resnet(_BASIC, [3, 4, 6, 3]),
+    "tv-resnet50": _imagenet_resnet(_BOTTLENECK, [3, 4, 6, 3]),
+    "tv-resnet101": _imagenet_resnet(_BOTTLENECK, [3, 4, 23, 3]),
+    "tv-resnet152": _imagenet_resnet(_BOTTLENECK, [3, 8, 36, 3]),
+    "tv-googlenet": googlenet,
+    "tv-mobilenetv2": mobilenet_v2,
+}
+
+# FedSA's (and FedTGP's) model-heterogeneous settings: client i gets architecture i mod X.
+MODEL_FAMILIES = {
+    "htfe2": ("cnn", "tv-resnet18"),
+    "htfe3": ("tv-resnet10", "tv-resnet18", "tv-resnet34"),
+    "htfe5": ("cnn", "tv-resnet10", "tv-resnet18", "tv-resnet34", "tv-resnet50"),
+    "htfe8": (
+        "cnn", "tv-googlenet", "tv-mobilenetv2", "tv-resnet18", "tv-resnet34", "tv-resnet50", "tv-resnet101",
+        "tv-resnet152",
+    ),
+}
+
+
+def client_architecture(model: str, partition_id: int) -> str:
+    """The architecture a client builds: ``model`` itself, or for a family its (id mod X)-th member."""
+    if model in MODEL_FAMILIES:
+        family = MODEL_FAMILIES[model]
+        return family[partition_id % len(family)]
+    return model
 
 
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int, seed: int) -> SplitModel:
     """A freshly initialised model; the same seed gives the same weights everywhere."""
     if name not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+        known = sorted(MODELS) + sorted(MODEL_FAMILIES)
+        raise ValueError(f"model must be one of {known}, got {name!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MODELS[name](in_channels, num_classes, image_size)
