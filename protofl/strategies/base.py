@@ -179,6 +179,25 @@ def check_class_counts(update: ClientUpdate) -> None:
         raise PayloadError("class counts do not add up to num_examples")
 
 
+def check_loss_metrics(update: ClientUpdate, keys: Sequence[str]) -> None:
+    """Loss values a client reports (when it does) must be finite floats >= 0."""
+    for key in keys:
+        loss = update.metrics.get(key, 0.0)
+        if not isinstance(loss, float) or not 0.0 <= loss < math.inf:
+            raise PayloadError(f"{key} must be a finite float >= 0, got {loss!r}")
+
+
+def mean_client_metrics(updates: Sequence[ClientUpdate], keys: Sequence[str]) -> dict[str, float]:
+    """Training-size-weighted mean of each metric over the clients that report it, keyed with "_"."""
+    fields = {}
+    for key in keys:
+        reported = [(u.metrics[key], u.num_examples) for u in updates if key in u.metrics]
+        if reported:
+            values, weights = zip(*reported)
+            fields[key.replace("-", "_")] = float(np.average(values, weights=weights))
+    return fields
+
+
 def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = True) -> list[np.ndarray]:
     """The clients' parameters averaged layer-wise, weighted by their training sizes or unweighted."""
     weights = [u.num_examples if by_sample_count else 1 for u in updates]

@@ -47,6 +47,8 @@ from protofl.strategies.base import (
     aggregate_prototypes,
     average_parameters,
     check_class_counts,
+    check_loss_metrics,
+    mean_client_metrics,
     prototype_broadcast,
 )
 from protofl.task.train import class_means, features_and_logits, train
@@ -161,10 +163,7 @@ class FedCoSRStrategy(PrototypeStrategy):
         tau = update.metrics.get("la-tau")
         if not isinstance(tau, float) or not 0.0 <= tau <= 1.0:
             raise PayloadError(f"la-tau must be a float in [0, 1], got {tau!r}")
-        for key in ("contrastive-loss", "ce-loss"):
-            loss = update.metrics.get(key, 0.0)
-            if not isinstance(loss, float) or not 0.0 <= loss < math.inf:
-                raise PayloadError(f"{key} must be a finite float >= 0, got {loss!r}")
+        check_loss_metrics(update, ("contrastive-loss", "ce-loss"))
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return prototype_broadcast(self.prototypes, self.prototype_mask)
@@ -185,14 +184,8 @@ class FedCoSRStrategy(PrototypeStrategy):
     def _record_client_stats(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """tau across clients, and the sample-weighted L_Per and L_Reg of this round."""
         taus = [u.metrics["la-tau"] for u in updates]
-        weights = [u.num_examples for u in updates]
         fields = {"la_tau_mean": float(np.mean(taus)), "la_tau_min": min(taus), "la_tau_max": max(taus)}
-        for key in ("ce-loss", "contrastive-loss"):
-            reported = [(u.metrics[key], w) for u, w in zip(updates, weights) if key in u.metrics]
-            if reported:
-                values, w = zip(*reported)
-                fields[key.replace("-", "_")] = float(np.average(values, weights=w))
-        self.recorder.update(server_round, **fields)
+        self.recorder.update(server_round, **fields, **mean_client_metrics(updates, ("ce-loss", "contrastive-loss")))
 
 
 # --- client -----------------------------------------------------------------------------
