@@ -100,3 +100,21 @@ def test_node_config_num_threads_sets_torch_threads():
             make_client_fn({"dataset": "digits"})(context(0))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_node_builds_its_family_member_or_the_architecture_its_node_config_names():
+    from flwr.common import Context
+
+    from protofl.client_app import make_client_fn
+
+    def client(partition_id, **node_config):
+        node_config = {"partition-id": partition_id, "num-partitions": 3, **node_config}
+        context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
+        return make_client_fn({"dataset": "digits", "method": "fedsa", "model": "htfe2"})(context).numpy_client
+
+    def linear_inputs(c):
+        return [m.in_features for m in c.model.body.modules() if isinstance(m, torch.nn.Linear)]
+
+    assert linear_inputs(client(0)) == [64]  # the CNN on 16x16 digits: 64 x 1 x 1 flattened
+    assert linear_inputs(client(1)) == []  # ResNet-18: convolutions and pooling only
+    assert linear_inputs(client(0, model="tv-resnet18")) == []

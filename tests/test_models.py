@@ -64,3 +64,39 @@ def test_gradient_clipping_bounds_each_step():
 
     assert step_norm(0.01) == pytest.approx(0.01, rel=1e-3)
     assert step_norm(0.0) > 0.05
+
+
+@pytest.mark.parametrize(
+    "name,channels,size",
+    [("tv-resnet10", 1, 28), ("tv-resnet18", 3, 32), ("tv-resnet50", 1, 28), ("tv-googlenet", 3, 32),
+     ("tv-mobilenetv2", 1, 28)],
+)
+def test_heterogeneous_backbones_end_in_a_512_d_feature_and_a_linear_head(name, channels, size):
+    model = build_model(name, channels, 10, size, seed=0)
+    features, logits = model.train()(torch.randn(4, channels, size, size))
+    assert features.shape == (4, 512) and logits.shape == (4, 10) and model.feature_dim == 512
+    assert isinstance(model.head, nn.Linear) and model.head.bias is not None
+    stem = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert stem.in_channels == channels
+    if name.startswith("tv-resnet"):
+        assert stem.kernel_size == (7, 7) and stem.stride == (2, 2)  # the unmodified ImageNet stem
+
+
+def test_feature_pool_averages_groups_of_consecutive_channels():
+    from protofl.task.models import FeaturePool
+
+    pooled = FeaturePool(512)(torch.arange(2048.0).reshape(1, 2048))
+    assert pooled.shape == (1, 512) and pooled[0, 0] == 1.5 and pooled[0, 511] == 2045.5  # mean of 4
+    x = torch.randn(2, 512)
+    assert torch.equal(FeaturePool(512)(x), x)
+
+
+def test_a_model_family_gives_client_i_architecture_i_mod_x():
+    from protofl.task.models import MODEL_FAMILIES, client_architecture
+
+    assert [client_architecture("htfe2", i) for i in range(4)] == ["cnn", "tv-resnet18"] * 2
+    assert client_architecture("htfe8", 10) == MODEL_FAMILIES["htfe8"][2] == "tv-mobilenetv2"
+    assert client_architecture("cnn", 7) == "cnn"
+    from protofl.task.models import MODELS
+
+    assert all(name in MODELS for family in MODEL_FAMILIES.values() for name in family)

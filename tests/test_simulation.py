@@ -127,3 +127,24 @@ def test_fedcosr_shares_phi_and_prototypes_keeps_heads_and_mixes_from_round_2(tm
         assert record["contrastive_loss"] > 0
     assert later[-1]["personalized_accuracy"] >= 0.5
     assert 0.0 <= later[-1]["personalized_min"] <= later[-1]["personalized_accuracy_mean"]
+
+
+def test_fedsa_with_two_architectures_sends_only_prototypes_up_and_anchors_down(tmp_path):
+    results = simulate(tmp_path, "sa", method="fedsa", model="htfe2")  # clients: CNN, ResNet-18, CNN
+    anchor_bytes = prototype_bytes = 10 * 512 * 4 + 128
+    first, second = results["rounds"]
+    assert first["bytes_down"] == 3 * anchor_bytes  # no parameters, no prototypes yet
+    assert second["bytes_down"] == 3 * (anchor_bytes + prototype_bytes + 10 + 128)  # + prototypes and mask
+    for record in results["rounds"]:
+        assert record["bytes_up"] == 3 * (prototype_bytes + 10 * 8 + 128)  # class means + counts, no weights
+        assert record["global_accuracy"] is None
+        assert 0 < record["anchor_drift"] < 1e-3  # alpha = 0.9999
+        for predictor in ("prototype", "anchor", "head"):
+            assert 0.0 <= record[f"personalized_accuracy_{predictor}"] <= 1.0
+    assert second["personalized_accuracy"] == second["personalized_accuracy_prototype"] >= 0.5
+
+
+def test_fedproto_runs_with_two_architectures(tmp_path):
+    results = simulate(tmp_path, "pa", method="fedproto", model="htfe2")
+    assert results["rounds"][-1]["global_accuracy"] is None
+    assert results["rounds"][-1]["personalized_accuracy_prototype"] >= 0.5

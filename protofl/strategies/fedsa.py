@@ -10,12 +10,14 @@ unweighted mean over its uploaders (``proto-agg = "mean"``, the official code; `
 class counts), and those classes' anchors move by EMA A <- alpha A + (1 - alpha) P (Eq. 10,
 alpha = 0.9999). Anchors and global prototypes go out as bytes in the fit and evaluate config.
 
-Client: its own persistent model (``context.state``). Loss per mini-batch (the official code's
-per-sample forms, spec section 9):
-CE + lambda_r L_R + lambda_mcl L_MCL + lambda_cc L_CC with
-L_R = MSE(z, A_y) averaged over B x D (Eq. 5), L_MCL = CE over -(||z - A_c|| + d* [c = y]) (Eq. 7),
-d* = max(mean nearest-anchor distance, the same statistic of the client's previous prototypes)
-(Eq. 6, the code's form), and L_CC = CE of every anchor through the local head (Eq. 8). Local
+Client: its own persistent model (``context.state``). Loss per mini-batch
+CE + lambda_r L_R + lambda_mcl L_MCL + lambda_cc L_CC with, in the official code's per-sample
+forms (spec section 9, the default), L_R = MSE(z, A_y) averaged over B x D (Eq. 5) and
+L_MCL = CE over -(||z - A_c|| + d* [c = y]) (Eq. 7); ``loss-form = "prototype"`` applies both to
+the batch's class means as the paper writes them (L_R = sum_c ||P_c - A_c||). The margin
+d* = max(margin of the anchors, margin of the client's last uploaded prototypes), the margin being
+the mean nearest-neighbour distance (code) or ``margin = "pairwise"``: the sum of all pairwise
+distances / (N - 1)^2 (Eq. 6 as printed). L_CC = CE of every anchor through the local head (Eq. 8). Local
 prototypes: per-class means of the training-mode features seen during training (Eq. 2; the
 code's ``prototype-pass = "during-train"``, or ``"post-eval"``), uploaded with the class counts.
 
@@ -59,6 +61,7 @@ ANCHOR_INITS = ("projected", "random")
 PROTO_AGGS = {"mean": "uniform", "weighted": "count"}  # -> aggregate_prototypes' weighting
 PROTOTYPE_PASSES = ("during-train", "post-eval")
 INFERENCES = ("prototype", "anchor", "head")
+LOSS_FORMS = ("sample", "prototype")
 LOSS_KEYS = ("regularization-loss", "contrastive-loss", "calibration-loss")
 
 
@@ -72,13 +75,16 @@ class FedSAOptions:
     proto_agg: str = "mean"
     prototype_pass: str = "during-train"
     inference: str = "prototype"
+    loss_form: str = "sample"
+    margin: str = "nearest"
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedSAOptions":
         options = config.options_as(cls)
         for name, allowed in (
             ("anchor_init", ANCHOR_INITS), ("proto_agg", tuple(PROTO_AGGS)),
-            ("prototype_pass", PROTOTYPE_PASSES), ("inference", INFERENCES),
+            ("prototype_pass", PROTOTYPE_PASSES), ("inference", INFERENCES), ("loss_form", LOSS_FORMS),
+            ("margin", tuple(MARGINS)),
         ):
             if getattr(options, name) not in allowed:
                 raise ValueError(f"fedsa.{name.replace('_', '-')} must be one of {allowed}")
@@ -124,6 +130,23 @@ def nearest_neighbour_margin(vectors: torch.Tensor) -> float | None:
     distances = torch.cdist(vectors.double(), vectors.double())
     distances.fill_diagonal_(float("inf"))
     return float(distances.min(dim=1).values.mean())
+
+
+def pairwise_margin(vectors: torch.Tensor) -> float | None:
+    """The paper's Eq. 6: the sum of the distances over all ordered pairs / (N - 1)^2; None for N < 2."""
+    if len(vectors) < 2:
+        return None
+    return float(torch.cdist(vectors.double(), vectors.double()).sum() / (len(vectors) - 1) ** 2)
+
+
+MARGINS = {"nearest": nearest_neighbour_margin, "pairwise": pairwise_margin}
+
+
+def batch_class_means(features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the classes in the batch, their mean features), differentiable: the paper's per-batch P_c."""
+    classes, index = labels.unique(return_inverse=True)
+    sums = features.new_zeros(len(classes), features.shape[1]).index_add(0, index, features)
+    return classes, sums / torch.bincount(index).unsqueeze(1).to(features.dtype)
 
 
 def ema_update(anchors: np.ndarray, prototypes: np.ndarray, mask: np.ndarray, alpha: float) -> np.ndarray:
@@ -216,7 +239,17 @@ class FedSAClient(PrototypeClient):
     def _margin(self, anchors: torch.Tensor) -> float:
         """d* = max(global anchor margin, this client's margin of its last uploaded prototypes)."""
         own = float(self.state["fedsa"]["prototype-margin"]) if "fedsa" in self.state else 0.0
-        return max(nearest_neighbour_margin(anchors), own)
+        return max(MARGINS[self.options.margin](anchors), own)
+
+    def _regularization_and_contrastive(self, features, labels, anchors, margin) -> tuple[torch.Tensor, torch.Tensor]:
+        """L_R and L_MCL per sample (code) or on the batch's class means (paper)."""
+        if self.options.loss_form == "sample":
+            return (
+                anchor_regularization(features, labels, anchors),
+                margin_contrastive_loss(features, labels, anchors, margin),
+            )
+        classes, means = batch_class_means(features, labels)
+        return (means - anchors[classes]).norm(dim=1).sum(), margin_contrastive_loss(means, classes, anchors, margin)
 
     def fit(self, parameters, config):
         self.restore_personal_model()
@@ -230,9 +263,10 @@ class FedSAClient(PrototypeClient):
         def anchor_losses(features, logits, labels):
             sums.index_add_(0, labels, features.detach())  # Eq. 2 over the training-mode features
             seen.add_(torch.bincount(labels, minlength=c))
+            regularization, contrastive = self._regularization_and_contrastive(features, labels, anchors, margin)
             terms = {
-                "regularization-loss": anchor_regularization(features, labels, anchors),
-                "contrastive-loss": margin_contrastive_loss(features, labels, anchors, margin),
+                "regularization-loss": regularization,
+                "contrastive-loss": contrastive,
                 "calibration-loss": anchor_calibration_loss(self.model.head, anchors),
             }
             for key, value in terms.items():
@@ -248,7 +282,7 @@ class FedSAClient(PrototypeClient):
         )
         prototypes = self._prototypes(sums, seen)
         counts = self.data.class_counts()
-        own_margin = nearest_neighbour_margin(torch.from_numpy(prototypes[counts > 0]))
+        own_margin = MARGINS[self.options.margin](torch.from_numpy(prototypes[counts > 0]))
         if own_margin is None:
             self.state.pop("fedsa", None)  # one class: no margin of its own (the code's -inf)
         else:
