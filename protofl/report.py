@@ -27,7 +27,16 @@ ROUND_KEYS = (
     "bytes_down",
     "seconds",
 )
-SUMMARY_KEYS = ("global_accuracy", "personalized_accuracy", "pm_l", "pm_v")
+SUMMARY_KEYS = (
+    "global_accuracy",
+    "personalized_accuracy",
+    # PM of each predictor a method logs side by side (nearest global prototype, nearest anchor, head)
+    "personalized_accuracy_prototype",
+    "personalized_accuracy_anchor",
+    "personalized_accuracy_head",
+    "pm_l",
+    "pm_v",
+)
 
 
 def personalized_stats(correct: Sequence[int], totals: Sequence[int]) -> dict[str, float]:

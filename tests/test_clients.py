@@ -118,3 +118,31 @@ def test_a_node_builds_its_family_member_or_the_architecture_its_node_config_nam
     assert linear_inputs(client(0)) == [64]  # the CNN on 16x16 digits: 64 x 1 x 1 flattened
     assert linear_inputs(client(1)) == []  # ResNet-18: convolutions and pooling only
     assert linear_inputs(client(0, model="tv-resnet18")) == []
+
+
+def test_feature_sums_and_training_mode_prototypes():
+    from protofl.task.train import FeatureSums
+
+    seen = FeatureSums(3, 2, torch.device("cpu"))
+    seen.add(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 0]))
+    seen.add(torch.tensor([[5.0, 6.0]]), torch.tensor([2]))
+    np.testing.assert_allclose(seen.means(), [[2.0, 3.0], [0.0, 0.0], [5.0, 6.0]])
+    assert seen.counts.tolist() == [2, 0, 1]
+
+    # FedProto's "during-train" prototypes: the features seen while training; with lr 0 nothing
+    # moves and the CNN (no BatchNorm, no dropout) gives the eval pass's means; a class whose
+    # samples were never seen is filled from an eval pass
+    config = ExperimentConfig(method="fedproto", local_epochs=1, lr=0.0, options={"prototype-pass": "during-train"})
+    client = make_client(FedProtoClient, RecordDict(), config)
+    _, _, metrics = client.fit([], {"server-round": 1, "seed": 3})
+    prototypes = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
+    expected, _ = class_means(features_and_logits(client.model, client.data.train_x)[0], client.data.train_y, 10)
+    np.testing.assert_allclose(prototypes, expected, rtol=1e-5, atol=1e-6)
+    empty = FeatureSums(10, 512, torch.device("cpu"))
+    np.testing.assert_allclose(client.local_prototypes(empty), expected, rtol=1e-5, atol=1e-6)
+    moved = make_client(FedProtoClient, RecordDict(), ExperimentConfig(
+        method="fedproto", local_epochs=1, options={"prototype-pass": "during-train"}))
+    _, _, metrics = moved.fit([], {"server-round": 1, "seed": 3})
+    during = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
+    after, _ = class_means(features_and_logits(moved.model, moved.data.train_x)[0], moved.data.train_y, 10)
+    assert not np.allclose(during, after, atol=1e-3)  # features from before each step differ

@@ -142,6 +142,8 @@ def test_fedsa_with_two_architectures_sends_only_prototypes_up_and_anchors_down(
         for predictor in ("prototype", "anchor", "head"):
             assert 0.0 <= record[f"personalized_accuracy_{predictor}"] <= 1.0
     assert second["personalized_accuracy"] == second["personalized_accuracy_prototype"] >= 0.5
+    for predictor in ("prototype", "anchor", "head"):  # final, best and last-10 of each
+        assert results["summary"][f"personalized_accuracy_{predictor}"]["final_round"] == 2
 
 
 def test_fedproto_runs_with_two_architectures(tmp_path):

@@ -47,7 +47,7 @@ from protofl.config import ExperimentConfig
 from protofl.report import RunRecorder, class_weighted_accuracy, personalized_stats
 from protofl.task.data import ClientData, load_global_test
 from protofl.task.models import MODEL_FAMILIES, SplitModel
-from protofl.task.train import features_and_logits, head_loss_and_correct, head_prediction
+from protofl.task.train import FeatureSums, class_means, features_and_logits, head_loss_and_correct, head_prediction
 
 # ---------------------------------------------------------------------------------------
 # Payload codec
@@ -205,6 +205,8 @@ def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = 
 
 
 PROTOTYPE_WEIGHTINGS = ("count", "uniform")
+# where local prototypes come from: an eval pass after training, or the features seen in training
+PROTOTYPE_PASSES = ("post-eval", "during-train")
 
 
 def aggregate_prototypes(
@@ -697,6 +699,21 @@ class PrototypeClient(NumPyClient):
         metrics: dict[str, Scalar] = {"partition-id": self.data.partition_id, "train-loss": float(train_loss)}
         metrics.update({k: encode_array(v) for k, v in payload.items()})
         return metrics
+
+    def local_prototypes(self, seen: FeatureSums | None = None) -> np.ndarray:
+        """C x d per-class mean features of the training split: of the training-mode features
+        ``seen`` during local training (``prototype-pass = "during-train"``), else of an eval pass
+        after it. The eval pass also fills a class whose samples all fell in a skipped one-sample batch."""
+        counts = self.data.class_counts()
+        prototypes = seen.means() if seen is not None else None
+        missing = None if seen is None else (counts > 0) & (seen.counts.cpu().numpy() == 0)
+        if prototypes is None or missing.any():
+            features, _ = features_and_logits(self.model, self.data.train_x)
+            evaluated, _ = class_means(features, self.data.train_y, self.data.num_classes)
+            if prototypes is None:
+                return evaluated
+            prototypes[missing] = evaluated[missing]
+        return prototypes
 
     def restore_personal_model(self) -> bool:
         """Load this client's persistent model from ``context.state``; False on the first round."""

@@ -2,8 +2,9 @@
 
 Client: loss = CE + lambda * MSE(feature, global prototype of its label) (per-sample form of the
 official code and PFLlib); after training, per-class mean features from an eval pass over the
-local training split, and the class counts, go up as bytes. The model is personal and kept in
-``context.state``.
+local training split (``prototype-pass = "post-eval"``; ``"during-train"``: of the training-mode
+features seen in training, as the official code and HtFLlib), and the class counts, go up as
+bytes. The model is personal and kept in ``context.state``.
 
 Server: global prototype of class c = average of the client prototypes of c, weighted by the
 clients' counts of c (Eq. 5, ``weighting = "count"``) or unweighted over the clients holding c
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from protofl.strategies.base import (
+    PROTOTYPE_PASSES,
     PROTOTYPE_WEIGHTINGS,
     ArraySpec,
     ClientUpdate,
@@ -32,7 +34,7 @@ from protofl.strategies.base import (
     set_weights,
 )
 from protofl.task.train import (
-    class_means,
+    FeatureSums,
     features_and_logits,
     head_loss_and_correct,
     head_prediction,
@@ -92,6 +94,9 @@ class FedProtoClient(PrototypeClient):
         self.inference = str(self.config.option("inference", "prototype"))
         if self.inference not in INFERENCES:
             raise ValueError(f"fedproto.inference must be one of {INFERENCES}, got {self.inference!r}")
+        self.prototype_pass = str(self.config.option("prototype-pass", "post-eval"))
+        if self.prototype_pass not in PROTOTYPE_PASSES:
+            raise ValueError(f"fedproto.prototype-pass must be one of {PROTOTYPE_PASSES}, got {self.prototype_pass!r}")
 
     def _load_model(self, parameters) -> None:
         if self.average_parameters:
@@ -102,17 +107,20 @@ class FedProtoClient(PrototypeClient):
     def fit(self, parameters, config):
         self._load_model(parameters)
         received = self.global_prototypes(config)
-        extra_loss = None
-        if received is not None and self.lam > 0:
-            prototypes, mask = received
-            extra_loss = lambda features, _logits, labels: self.lam * prototype_loss(  # noqa: E731
-                features, labels, prototypes, mask
-            )
+        seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
+
+        def extra_loss(features, _logits, labels):
+            if self.prototype_pass == "during-train":
+                seen.add(features, labels)
+            if received is None or self.lam == 0:
+                return features.new_zeros(())
+            return self.lam * prototype_loss(features, labels, *received)
+
         loss = train(
             self.model, self.data.train_x, self.data.train_y, extra_loss=extra_loss, **self.train_kwargs(config)
         )
-        features, _ = features_and_logits(self.model, self.data.train_x)
-        prototypes, counts = class_means(features, self.data.train_y, self.data.num_classes)
+        prototypes = self.local_prototypes(seen if self.prototype_pass == "during-train" else None)
+        counts = self.data.class_counts()
         if not self.average_parameters:
             self.store_personal_model()
         parameters_out = get_weights(self.model) if self.average_parameters else []

@@ -37,6 +37,7 @@ from torch import nn
 
 from protofl.config import ExperimentConfig
 from protofl.strategies.base import (
+    PROTOTYPE_PASSES,
     ArraySpec,
     ClientUpdate,
     PrototypeClient,
@@ -49,7 +50,7 @@ from protofl.strategies.base import (
 )
 from protofl.task.models import MODEL_FAMILIES
 from protofl.task.train import (
-    class_means,
+    FeatureSums,
     features_and_logits,
     head_loss_and_correct,
     head_prediction,
@@ -59,7 +60,6 @@ from protofl.task.train import (
 
 ANCHOR_INITS = ("projected", "random")
 PROTO_AGGS = {"mean": "uniform", "weighted": "count"}  # -> aggregate_prototypes' weighting
-PROTOTYPE_PASSES = ("during-train", "post-eval")
 INFERENCES = ("prototype", "anchor", "head")
 LOSS_FORMS = ("sample", "prototype")
 LOSS_KEYS = ("regularization-loss", "contrastive-loss", "calibration-loss")
@@ -218,7 +218,6 @@ class FedSAStrategy(PrototypeStrategy):
             anchor_drift=float(drift),
             **mean_client_metrics(updates, LOSS_KEYS),
         )
-        return None
 
 
 # --- client -----------------------------------------------------------------------------
@@ -255,14 +254,11 @@ class FedSAClient(PrototypeClient):
         self.restore_personal_model()
         anchors = self._anchors(config)
         margin = self._margin(anchors)
-        c, d = self.data.num_classes, self.model.feature_dim
-        sums = torch.zeros(c, d, device=self.device)
-        seen = torch.zeros(c, dtype=torch.long, device=self.device)
+        seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
         parts: dict[str, list[torch.Tensor]] = {key: [] for key in LOSS_KEYS}
 
         def anchor_losses(features, logits, labels):
-            sums.index_add_(0, labels, features.detach())  # Eq. 2 over the training-mode features
-            seen.add_(torch.bincount(labels, minlength=c))
+            seen.add(features, labels)  # Eq. 2 over the training-mode features
             regularization, contrastive = self._regularization_and_contrastive(features, labels, anchors, margin)
             terms = {
                 "regularization-loss": regularization,
@@ -280,7 +276,7 @@ class FedSAClient(PrototypeClient):
         loss = train(
             self.model, self.data.train_x, self.data.train_y, extra_loss=anchor_losses, **self.train_kwargs(config)
         )
-        prototypes = self._prototypes(sums, seen)
+        prototypes = self.local_prototypes(seen if self.options.prototype_pass == "during-train" else None)
         counts = self.data.class_counts()
         own_margin = MARGINS[self.options.margin](torch.from_numpy(prototypes[counts > 0]))
         if own_margin is None:
@@ -291,18 +287,6 @@ class FedSAClient(PrototypeClient):
         metrics = {key: float(torch.stack(values).mean()) for key, values in parts.items() if values}
         fit_metrics = self.fit_metrics(loss, prototypes=prototypes, **{"class-counts": counts})
         return [], self.data.num_train, fit_metrics | metrics
-
-    def _prototypes(self, sums: torch.Tensor, seen: torch.Tensor) -> np.ndarray:
-        """Per-class means of the features seen in training; from an eval pass for ``post-eval`` and
-        for a class whose only samples fell in a skipped one-sample batch."""
-        means = (sums / seen.clamp(min=1).unsqueeze(1)).cpu().numpy()
-        missing = (torch.from_numpy(self.data.class_counts()) > 0) & (seen.cpu() == 0)
-        if self.options.prototype_pass == "post-eval" or missing.any():
-            features, _ = features_and_logits(self.model, self.data.train_x)
-            evaluated, _ = class_means(features, self.data.train_y, self.data.num_classes)
-            replace = slice(None) if self.options.prototype_pass == "post-eval" else missing.numpy()
-            means[replace] = evaluated[replace]
-        return means
 
     def evaluate(self, parameters, config):
         self.restore_personal_model()

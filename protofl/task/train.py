@@ -85,6 +85,23 @@ def class_means(
     return means.float().cpu().numpy(), counts.cpu().numpy().astype(np.int64)
 
 
+class FeatureSums:
+    """Per-class sums and counts of the (detached) features a training loop sees, e.g. from its
+    ``extra_loss``: the training-mode prototypes of FedSA's and HtFLlib's FedProto code."""
+
+    def __init__(self, num_classes: int, dim: int, device: torch.device) -> None:
+        self.sums = torch.zeros(num_classes, dim, device=device)
+        self.counts = torch.zeros(num_classes, dtype=torch.long, device=device)
+
+    def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        self.sums.index_add_(0, labels, features.detach().to(self.sums.dtype))
+        self.counts += torch.bincount(labels, minlength=len(self.counts))
+
+    def means(self) -> np.ndarray:
+        """C x d float32 mean features; zero rows for classes never seen."""
+        return (self.sums / self.counts.clamp(min=1).unsqueeze(1)).cpu().numpy()
+
+
 def nearest_prototype(
     features: torch.Tensor, prototypes: torch.Tensor, available: torch.Tensor
 ) -> torch.Tensor:
