@@ -754,6 +754,21 @@ class PrototypeClient(NumPyClient):
             "pm-v": class_weighted_accuracy(correct, tested, counts > 0),
         }
 
+    def evaluate_predictors(
+        self, predictors: Mapping[str, Predictor], reported: str
+    ) -> tuple[float, int, dict[str, Scalar]]:
+        """Each predictor on the local test split (``correct-<name>``), the ``reported`` one also as
+        ``correct`` and for PM(L)/PM(V); the loss is the head's: (loss, num_test, metrics)."""
+        features, logits = features_and_logits(self.model, self.data.test_x)
+        loss, _ = head_loss_and_correct(logits, self.data.test_y)
+        metrics: dict[str, Scalar] = {
+            f"correct-{name}": int((predict(features, logits) == self.data.test_y).sum())
+            for name, predict in predictors.items()
+        }
+        metrics |= {"correct": metrics[f"correct-{reported}"], "partition-id": self.data.partition_id}
+        metrics |= self.global_test_scores(predictors[reported])
+        return loss, self.data.num_test, metrics
+
     def evaluate_head(self) -> tuple[float, int, dict[str, Scalar]]:
         """The classifier head on the local test split (``correct``) and on the global test set
         (PM(L)/PM(V)): (loss, num_test, metrics)."""

@@ -35,8 +35,6 @@ from protofl.strategies.base import (
 )
 from protofl.task.train import (
     FeatureSums,
-    features_and_logits,
-    head_loss_and_correct,
     head_prediction,
     nearest_prototype,
     train,
@@ -130,20 +128,11 @@ class FedProtoClient(PrototypeClient):
 
     def evaluate(self, parameters, config):
         self._load_model(parameters)
-        features, logits = features_and_logits(self.model, self.data.test_x)
-        loss, correct_head = head_loss_and_correct(logits, self.data.test_y)
-        metrics = {"partition-id": self.data.partition_id, "correct-head": correct_head}
+        predictors = {"head": head_prediction}
         received = self.global_prototypes(config)
-        correct, predict = correct_head, head_prediction
         if received is not None:
-            predicted = nearest_prototype(features, *received)
-            metrics["correct-prototype"] = int((predicted == self.data.test_y).sum())
-            if self.inference == "prototype":
-                correct = metrics["correct-prototype"]
-                predict = lambda f, _logits: nearest_prototype(f, *received)  # noqa: E731
-        metrics["correct"] = correct
-        metrics.update(self.global_test_scores(predict))
-        return loss, self.data.num_test, metrics
+            predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *received)
+        return self.evaluate_predictors(predictors, self.inference if self.inference in predictors else "head")
 
 
 STRATEGY, CLIENT = FedProtoStrategy, FedProtoClient

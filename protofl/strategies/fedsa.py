@@ -51,8 +51,6 @@ from protofl.strategies.base import (
 from protofl.task.models import MODEL_FAMILIES
 from protofl.task.train import (
     FeatureSums,
-    features_and_logits,
-    head_loss_and_correct,
     head_prediction,
     nearest_prototype,
     train,
@@ -298,16 +296,8 @@ class FedSAClient(PrototypeClient):
         received = self.global_prototypes(config)
         if received is not None:
             predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *received)
-        features, logits = features_and_logits(self.model, self.data.test_x)
-        loss, _ = head_loss_and_correct(logits, self.data.test_y)
-        metrics = {
-            f"correct-{name}": int((predict(features, logits) == self.data.test_y).sum())
-            for name, predict in predictors.items()
-        }
-        chosen = self.options.inference if self.options.inference in predictors else "anchor"
-        metrics |= {"correct": metrics[f"correct-{chosen}"], "partition-id": self.data.partition_id}
-        metrics |= self.global_test_scores(predictors[chosen])
-        return loss, self.data.num_test, metrics
+        reported = self.options.inference if self.options.inference in predictors else "anchor"
+        return self.evaluate_predictors(predictors, reported)
 
 
 STRATEGY, CLIENT = FedSAStrategy, FedSAClient
