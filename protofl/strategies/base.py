@@ -704,15 +704,17 @@ class PrototypeClient(NumPyClient):
         """C x d per-class mean features of the training split: of the training-mode features
         ``seen`` during local training (``prototype-pass = "during-train"``), else of an eval pass
         after it. The eval pass also fills a class whose samples all fell in a skipped one-sample batch."""
-        counts = self.data.class_counts()
-        prototypes = seen.means() if seen is not None else None
-        missing = None if seen is None else (counts > 0) & (seen.counts.cpu().numpy() == 0)
-        if prototypes is None or missing.any():
+
+        def evaluated() -> np.ndarray:
             features, _ = features_and_logits(self.model, self.data.train_x)
-            evaluated, _ = class_means(features, self.data.train_y, self.data.num_classes)
-            if prototypes is None:
-                return evaluated
-            prototypes[missing] = evaluated[missing]
+            return class_means(features, self.data.train_y, self.data.num_classes)[0]
+
+        if seen is None:
+            return evaluated()
+        prototypes = seen.means()
+        missing = (self.data.class_counts() > 0) & (seen.counts.cpu().numpy() == 0)
+        if missing.any():
+            prototypes[missing] = evaluated()[missing]
         return prototypes
 
     def restore_personal_model(self) -> bool:

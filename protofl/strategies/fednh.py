@@ -199,8 +199,7 @@ class FedNHStrategy(PrototypeStrategy):
 
 class FedNHClient(PrototypeClient):
     def _use_prototypes(self, config) -> None:
-        spec = ArraySpec((self.data.num_classes, self.model.feature_dim))
-        prototypes = self.received(config, "prototypes", spec)
+        prototypes = self.received_class_vectors(config, "prototypes")
         if prototypes is None:
             raise ValueError("FedNH: the server sent no prototypes")
         self.model.head.prototypes.copy_(torch.from_numpy(prototypes))

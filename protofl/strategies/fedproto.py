@@ -105,19 +105,23 @@ class FedProtoClient(PrototypeClient):
     def fit(self, parameters, config):
         self._load_model(parameters)
         received = self.global_prototypes(config)
-        seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
+        use_prototypes = received is not None and self.lam > 0
+        seen = None
+        if self.prototype_pass == "during-train":
+            seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
 
         def extra_loss(features, _logits, labels):
-            if self.prototype_pass == "during-train":
+            if seen is not None:
                 seen.add(features, labels)
-            if received is None or self.lam == 0:
+            if not use_prototypes:
                 return features.new_zeros(())
             return self.lam * prototype_loss(features, labels, *received)
 
         loss = train(
-            self.model, self.data.train_x, self.data.train_y, extra_loss=extra_loss, **self.train_kwargs(config)
+            self.model, self.data.train_x, self.data.train_y,
+            extra_loss=extra_loss if use_prototypes or seen is not None else None, **self.train_kwargs(config),
         )
-        prototypes = self.local_prototypes(seen if self.prototype_pass == "during-train" else None)
+        prototypes = self.local_prototypes(seen)
         counts = self.data.class_counts()
         if not self.average_parameters:
             self.store_personal_model()

@@ -252,11 +252,14 @@ class FedSAClient(PrototypeClient):
         self.restore_personal_model()
         anchors = self._anchors(config)
         margin = self._margin(anchors)
-        seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
+        seen = None
+        if self.options.prototype_pass == "during-train":
+            seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
         parts: dict[str, list[torch.Tensor]] = {key: [] for key in LOSS_KEYS}
 
         def anchor_losses(features, logits, labels):
-            seen.add(features, labels)  # Eq. 2 over the training-mode features
+            if seen is not None:
+                seen.add(features, labels)  # Eq. 2 over the training-mode features
             regularization, contrastive = self._regularization_and_contrastive(features, labels, anchors, margin)
             terms = {
                 "regularization-loss": regularization,
@@ -274,7 +277,7 @@ class FedSAClient(PrototypeClient):
         loss = train(
             self.model, self.data.train_x, self.data.train_y, extra_loss=anchor_losses, **self.train_kwargs(config)
         )
-        prototypes = self.local_prototypes(seen if self.options.prototype_pass == "during-train" else None)
+        prototypes = self.local_prototypes(seen)
         counts = self.data.class_counts()
         own_margin = MARGINS[self.options.margin](torch.from_numpy(prototypes[counts > 0]))
         if own_margin is None:
