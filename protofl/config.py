@@ -30,6 +30,7 @@ class ExperimentConfig:
     data_fraction: float = 1.0
     scarce_clients: int = 0
     scarce_fraction: float = 0.1
+    long_tail: float = 1.0
     num_server_rounds: int = 20
     fraction_fit: float = 1.0
     min_fit_clients: int = 2
@@ -80,6 +81,8 @@ class ExperimentConfig:
         for name in ("data_fraction", "scarce_fraction"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+        if self.long_tail < 1.0:
+            raise ValueError(f"long-tail (rho = n_max / n_min) must be >= 1, got {self.long_tail}")
         if self.scarce_clients < 0:
             raise ValueError(f"scarce-clients must be >= 0, got {self.scarce_clients}")
         if not 0.0 < self.test_fraction < 1.0:
@@ -121,6 +124,7 @@ class ExperimentConfig:
             data_fraction=float(self.data_fraction),
             scarce_clients=int(self.scarce_clients),
             scarce_fraction=float(self.scarce_fraction) if self.scarce_clients else 1.0,
+            long_tail=float(self.long_tail),
         )
 
     def is_eval_round(self, server_round: int) -> bool:

@@ -2,19 +2,22 @@
 
 The partitioners are flwr-datasets' own (IID, Dirichlet, pathological), run over a small
 ``datasets.Dataset`` holding only ``label`` and ``idx`` columns; the images stay in numpy.
-``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol), here.
-Data scarcity (FedCoSR §6.3) cuts clients' shares, per class, before their train/test split.
+``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol),
+``dirichlet-balanced`` the CReFF-style equal-size Dirichlet split of FedSC/FedSKC's code and
+``nid2`` FedSC's "5 biased + 1 full" split, here. A long-tail profile (``long-tail`` = rho) thins
+the training pool before any of them. Data scarcity (FedCoSR §6.3) cuts clients' shares, per class, before their train/test split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-PARTITION_SCHEMES = ("iid", "dirichlet", "pathological", "pathological-pfllib")
+PARTITION_SCHEMES = ("iid", "dirichlet", "dirichlet-balanced", "nid2", "pathological", "pathological-pfllib")
 MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and test split
 PFLLIB_LEAST_SAMPLES = 40  # PFLlib's least_samples: batch 10 / (1 - 0.75 train share)
 
@@ -31,6 +34,7 @@ class PartitionSpec:
     data_fraction: float = 1.0  # every client keeps this share of its partition
     scarce_clients: int = 0  # ... and the last `scarce_clients` clients only `scarce_fraction` of that
     scarce_fraction: float = 1.0
+    long_tail: float = 1.0  # rho = n_max / n_min of the training pool before partitioning (1: as loaded)
 
     def kept_fraction(self, partition_id: int) -> float:
         """The share of its partition that a client keeps (1.0: all of it)."""
@@ -72,6 +76,74 @@ def pfllib_pathological(
     return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
 
 
+def long_tail_indices(labels: np.ndarray, rho: float, seed: int) -> np.ndarray:
+    """Sorted indices of an exponentially long-tailed subset (LDAM / FedSC's LT profile): class c
+    keeps floor(n_max * rho^(-c / (C - 1))) of its samples, drawn at random, n_max = N / C."""
+    if rho < 1:
+        raise ValueError(f"long-tail (rho) must be >= 1, got {rho}")
+    num_classes = int(labels.max()) + 1
+    n_max = len(labels) / num_classes
+    rng = np.random.RandomState(seed)
+    kept = []
+    for c in range(num_classes):
+        indices = np.flatnonzero(labels == c)
+        rng.shuffle(indices)
+        kept.append(indices[: int(n_max * rho ** (-c / max(num_classes - 1, 1)))])
+    return np.sort(np.concatenate(kept))
+
+
+def dirichlet_balanced(labels: np.ndarray, num_partitions: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """CReFF's Dirichlet split, used by FedSC's and FedSKC's code: clients in groups of 10, each
+    group a contiguous chunk of the shuffled samples; within a group, per class, proportions from
+    Dir(alpha) over the clients not yet holding their share, redrawn until the smallest client has
+    half a share; then every group's clients in order, re-cut into equal contiguous pieces, so all
+    clients end up with (almost) the same number of samples. Fewer than 10 clients: one group."""
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    rng = np.random.RandomState(seed)
+    order = rng.permutation(len(labels))
+    num_groups = math.ceil(num_partitions / 10)
+    chunk_size = len(labels) * 10 // num_partitions if num_groups > 1 else len(labels)
+    num_classes = int(labels.max()) + 1
+    assigned: list[np.ndarray] = []
+    for g in range(num_groups):
+        chunk = order[g * chunk_size :] if g == num_groups - 1 else order[g * chunk_size : (g + 1) * chunk_size]
+        clients = min(10, num_partitions - 10 * g)
+        share = len(chunk) / clients
+        members_of = [chunk[labels[chunk] == c] for c in range(num_classes)]
+        for _attempt in range(1000):
+            holdings: list[list[np.ndarray]] = [[] for _ in range(clients)]
+            sizes = np.zeros(clients, dtype=np.int64)
+            for members in members_of:
+                p = rng.dirichlet(np.full(clients, alpha)) * (sizes < share)
+                cuts = (np.cumsum(p / p.sum()) * len(members)).astype(int)[:-1]
+                for i, part in enumerate(np.split(members, cuts)):
+                    holdings[i].append(part)
+                    sizes[i] += len(part)
+            if sizes.min() >= int(0.5 * share):
+                break
+        else:
+            raise ValueError(f"dirichlet-balanced: no draw gave every client half a share (alpha={alpha})")
+        assigned.extend(np.concatenate(h) for h in holdings)
+    return np.array_split(np.concatenate(assigned), num_partitions)
+
+
+def nid2(labels: np.ndarray, num_partitions: int) -> list[np.ndarray]:
+    """FedSC's NID2 (FedDisco's NIID-2): K - 1 biased clients, each holding its own block of C / (K - 1)
+    classes, and one last client holding every class. With s = N / (C K), a biased client takes the
+    first (K - 1) s samples of each of its classes, the last client the next s of every class."""
+    num_classes = int(labels.max()) + 1
+    biased = num_partitions - 1
+    if not 1 <= biased <= num_classes:
+        raise ValueError(f"nid2 needs 2 to {num_classes + 1} partitions, got {num_partitions}")
+    s = len(labels) // (num_classes * num_partitions)
+    by_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
+    blocks = np.array_split(np.arange(num_classes), biased)
+    parts = [np.concatenate([by_class[c][: biased * s] for c in block]) for block in blocks]
+    parts.append(np.concatenate([members[biased * s : (biased + 1) * s] for members in by_class]))
+    return parts
+
+
 def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarray]:
     """Split ``range(len(labels))`` into ``spec.num_partitions`` index arrays.
 
@@ -91,8 +163,16 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
         raise ValueError(f"num-partitions must be >= 1, got {n}")
     if n > len(labels):
         raise ValueError(f"cannot split {len(labels)} samples into {n} partitions")
+    if spec.long_tail != 1.0:
+        pool = long_tail_indices(labels, spec.long_tail, spec.seed)
+        parts = partition_indices(labels[pool], dataclasses.replace(spec, long_tail=1.0))
+        return [np.sort(pool[part]) for part in parts]
     if spec.scheme == "pathological-pfllib":
         return _checked(pfllib_pathological(labels, n, int(spec.classes_per_client), spec.seed), spec)
+    if spec.scheme == "dirichlet-balanced":
+        return _checked(dirichlet_balanced(labels, n, float(spec.alpha), spec.seed), spec)
+    if spec.scheme == "nid2":
+        return _checked(nid2(labels, n), spec)
     order = np.arange(len(labels))
     if spec.scheme == "iid":
         # IidPartitioner takes contiguous shards, so shuffle the table with the seed first.
