@@ -150,3 +150,28 @@ def test_fedproto_runs_with_two_architectures(tmp_path):
     results = simulate(tmp_path, "pa", method="fedproto", model="htfe2")
     assert results["rounds"][-1]["global_accuracy"] is None
     assert results["rounds"][-1]["personalized_accuracy_prototype"] >= 0.5
+
+
+def test_fedsc_sends_relational_and_consistent_prototypes_from_round_two(tmp_path):
+    results = simulate(tmp_path, "sc", method="fedsc")
+    first, second = results["rounds"]
+    weights_bytes = first["bytes_down"] // 3  # round 1: the model only
+    assert second["bytes_down"] > first["bytes_down"]  # + the prototypes, only in the fit config
+    keys = second["relational_prototypes"]  # one per (client, class held) in round 1
+    assert first["relational_prototypes"] == keys and 10 <= keys <= 30
+    prototypes = (keys * 512 * 4 + 128) + (keys * 8 + 128) + (10 * 512 * 4 + 128) + (10 + 128)
+    assert second["bytes_down"] == 3 * (weights_bytes + prototypes)
+    assert "rpcl_loss" not in first and second["rpcl_loss"] > 0 and second["cpdr_loss"] > 0  # round 1: CE only
+    assert 0 < second["consistent_weight_min"] <= 1 / 3 <= second["consistent_weight_max"] < 1
+    assert second["global_accuracy"] >= 0.5
+
+
+def test_fedskc_sends_knowledge_and_reviews_from_round_two(tmp_path):
+    results = simulate(tmp_path, "skc", method="fedskc")
+    first, second = results["rounds"]
+    assert second["bytes_down"] == first["bytes_down"] + 3 * ((10 * 10 * 4 + 128) + (10 + 128))
+    assert first["gpr_ratio"] is None and isinstance(second["gpr_ratio"], float)
+    assert "lcl_loss" not in first and second["lcl_loss"] > 0
+    # gda-mode "paper": raw sample counts saturate the sigmoid, so the weights are uniform
+    assert second["gda_weight_min"] == second["gda_weight_max"] == pytest.approx(1 / 3)
+    assert second["global_accuracy"] >= 0.5

@@ -12,7 +12,7 @@ from protofl.config import ExperimentConfig
 from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model, client_architecture
 
-METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa")
+METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa", "fedsc", "fedskc")
 
 
 def _module(name: str):

@@ -47,7 +47,14 @@ from protofl.config import ExperimentConfig
 from protofl.report import RunRecorder, class_weighted_accuracy, personalized_stats
 from protofl.task.data import ClientData, load_global_test
 from protofl.task.models import MODEL_FAMILIES, SplitModel
-from protofl.task.train import FeatureSums, class_means, features_and_logits, head_loss_and_correct, head_prediction
+from protofl.task.train import (
+    FeatureSums,
+    class_means,
+    features_and_logits,
+    head_loss_and_correct,
+    head_prediction,
+    steps_per_epoch,
+)
 
 # ---------------------------------------------------------------------------------------
 # Payload codec
@@ -205,8 +212,9 @@ def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = 
 
 
 PROTOTYPE_WEIGHTINGS = ("count", "uniform")
-# where local prototypes come from: an eval pass after training, or the features seen in training
-PROTOTYPE_PASSES = ("post-eval", "during-train")
+# where local prototypes come from: an eval pass after training, or the features seen in
+# training (every epoch, or the last one)
+PROTOTYPE_PASSES = ("post-eval", "during-train", "last-epoch")
 
 
 def aggregate_prototypes(
@@ -246,6 +254,7 @@ class PrototypeStrategy(Strategy):
     """
 
     has_global_model = True
+    broadcast_to_evaluate = True  # False: the broadcast arrays go in the fit config only
     properties_timeout = 120.0
 
     def __init__(
@@ -354,9 +363,12 @@ class PrototypeStrategy(Strategy):
             )
         return ndarrays_to_parameters(self.shared_weights())
 
-    def _configs(self, server_round: int, partition_ids: Sequence[int]) -> list[dict[str, Scalar]]:
+    def _configs(
+        self, server_round: int, partition_ids: Sequence[int], with_broadcast: bool = True
+    ) -> list[dict[str, Scalar]]:
         """Per-client config: round, the client's seed, and the broadcast arrays (encoded once)."""
-        shared = {k: encode_array(v) for k, v in self.broadcast(server_round).items()}
+        arrays = self.broadcast(server_round) if with_broadcast else {}
+        shared = {k: encode_array(v) for k, v in arrays.items()}
         return [
             {"server-round": server_round, "seed": client_seed(self.config.seed, server_round, p), **shared}
             for p in partition_ids
@@ -481,7 +493,7 @@ class PrototypeStrategy(Strategy):
             chosen = self._available_partitions(client_manager)
         else:
             chosen = self.sampled
-        configs = self._configs(server_round, chosen)
+        configs = self._configs(server_round, chosen, self.broadcast_to_evaluate)
         return [(self.partitions[p], EvaluateIns(parameters, c)) for p, c in zip(chosen, configs)]
 
     def aggregate_evaluate(
@@ -700,14 +712,26 @@ class PrototypeClient(NumPyClient):
         metrics.update({k: encode_array(v) for k, v in payload.items()})
         return metrics
 
-    def local_prototypes(self, seen: FeatureSums | None = None) -> np.ndarray:
-        """C x d per-class mean features of the training split: of the training-mode features
-        ``seen`` during local training (``prototype-pass = "during-train"``), else of an eval pass
-        after it. The eval pass also fills a class whose samples all fell in a skipped one-sample batch."""
+    def prototype_collector(self, prototype_pass: str, dim: int | None = None) -> FeatureSums | None:
+        """What collects the training-mode vectors (``dim``: the feature size unless given) for a
+        ``prototype_pass`` of ``during-train`` (every epoch) or ``last-epoch``; None for ``post-eval``."""
+        if prototype_pass not in PROTOTYPE_PASSES:
+            raise ValueError(f"prototype-pass must be one of {PROTOTYPE_PASSES}, got {prototype_pass!r}")
+        if prototype_pass == "post-eval":
+            return None
+        skip = 0
+        if prototype_pass == "last-epoch":
+            skip = (self.config.local_epochs - 1) * steps_per_epoch(self.data.num_train, self.config.batch_size)
+        return FeatureSums(self.data.num_classes, dim or self.model.feature_dim, self.device, skip)
+
+    def local_prototypes(self, seen: FeatureSums | None = None, space: str = "feature") -> np.ndarray:
+        """Per-class means over the training split of the features (C x d) or, ``space="logit"``, the
+        logits (C x C): of the training-mode vectors ``seen`` during local training, else of an eval
+        pass after it. The eval pass also fills a class whose samples all fell in a skipped one-sample batch."""
 
         def evaluated() -> np.ndarray:
-            features, _ = features_and_logits(self.model, self.data.train_x)
-            return class_means(features, self.data.train_y, self.data.num_classes)[0]
+            features, logits = features_and_logits(self.model, self.data.train_x)
+            return class_means(logits if space == "logit" else features, self.data.train_y, self.data.num_classes)[0]
 
         if seen is None:
             return evaluated()

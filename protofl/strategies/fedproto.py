@@ -34,7 +34,6 @@ from protofl.strategies.base import (
     set_weights,
 )
 from protofl.task.train import (
-    FeatureSums,
     head_prediction,
     nearest_prototype,
     train,
@@ -106,9 +105,7 @@ class FedProtoClient(PrototypeClient):
         self._load_model(parameters)
         received = self.global_prototypes(config)
         use_prototypes = received is not None and self.lam > 0
-        seen = None
-        if self.prototype_pass == "during-train":
-            seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
+        seen = self.prototype_collector(self.prototype_pass)
 
         def extra_loss(features, _logits, labels):
             if seen is not None:

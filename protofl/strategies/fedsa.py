@@ -50,7 +50,6 @@ from protofl.strategies.base import (
 )
 from protofl.task.models import MODEL_FAMILIES
 from protofl.task.train import (
-    FeatureSums,
     head_prediction,
     nearest_prototype,
     train,
@@ -252,9 +251,7 @@ class FedSAClient(PrototypeClient):
         self.restore_personal_model()
         anchors = self._anchors(config)
         margin = self._margin(anchors)
-        seen = None
-        if self.options.prototype_pass == "during-train":
-            seen = FeatureSums(self.data.num_classes, self.model.feature_dim, self.device)
+        seen = self.prototype_collector(self.options.prototype_pass)
         parts: dict[str, list[torch.Tensor]] = {key: [] for key in LOSS_KEYS}
 
         def anchor_losses(features, logits, labels):

@@ -94,25 +94,49 @@ class BasicBlock(nn.Module):
         return torch.relu(out + self.shortcut(x))
 
 
-def _resnet18_body(in_channels: int, norm: Norm) -> nn.Module:
-    """CIFAR stem (3x3 conv, stride 1, no max-pool), 4 stages of 2 BasicBlocks, average pool: 512-d."""
+def _cifar_resnet_body(in_channels: int, norm: Norm, stages: tuple[tuple[int, int, int], ...]) -> nn.Module:
+    """CIFAR stem (3x3 conv, stride 1, no max-pool), then (planes, stride, blocks) stages of
+    BasicBlocks, global average pool: a feature of the last stage's width."""
     layers: list[nn.Module] = [nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), norm(64), nn.ReLU(inplace=True)]
     in_planes = 64
-    for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [BasicBlock(in_planes, planes, stride, norm), BasicBlock(planes, planes, 1, norm)]
+    for planes, stride, blocks in stages:
+        layers += [BasicBlock(in_planes, planes, stride, norm)]
+        layers += [BasicBlock(planes, planes, 1, norm) for _ in range(blocks - 1)]
         in_planes = planes
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     return nn.Sequential(*layers)
 
 
+RESNET18_STAGES = ((64, 1, 2), (128, 2, 2), (256, 2, 2), (512, 2, 2))
+
+
 def resnet18(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
     """ResNet-18 with the CIFAR stem and BatchNorm, 512-d feature, Linear(512, C) head."""
-    return SplitModel(_resnet18_body(in_channels, nn.BatchNorm2d), nn.Linear(512, num_classes), 512)
+    body = _cifar_resnet_body(in_channels, nn.BatchNorm2d, RESNET18_STAGES)
+    return SplitModel(body, nn.Linear(512, num_classes), 512)
 
 
 def resnet18_gn(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
     """FedNH's ResNet-18: GroupNorm(2 groups) instead of BatchNorm, bias-free Linear(512, C) head."""
-    return SplitModel(_resnet18_body(in_channels, group_norm), nn.Linear(512, num_classes, bias=False), 512)
+    body = _cifar_resnet_body(in_channels, group_norm, RESNET18_STAGES)
+    return SplitModel(body, nn.Linear(512, num_classes, bias=False), 512)
+
+
+def resnet10(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+    """FedSC's ResNet-10: the CIFAR stem and one BasicBlock per stage (64, 128, 256, 512), 512-d
+    non-negative feature, Linear(512, C) head, PyTorch's default initialisation."""
+    body = _cifar_resnet_body(in_channels, nn.BatchNorm2d, ((64, 1, 1), (128, 2, 1), (256, 2, 1), (512, 2, 1)))
+    return SplitModel(body, nn.Linear(512, num_classes), 512)
+
+
+def resnet8_x4(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
+    """FedSKC's ResNet-8 at 4x width: the CIFAR stem and one BasicBlock per stage (64, 128, 256),
+    256-d feature, Linear(256, C) head; convolutions drawn from N(0, 2 / (k^2 out_channels))."""
+    body = _cifar_resnet_body(in_channels, nn.BatchNorm2d, ((64, 1, 1), (128, 2, 1), (256, 2, 1)))
+    for module in body.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    return SplitModel(body, nn.Linear(256, num_classes), 256)
 
 
 class FeaturePool(nn.Module):
@@ -182,6 +206,8 @@ MODELS = {
     "fednh-cnn": fednh_cnn,
     "resnet18": resnet18,
     "resnet18-gn": resnet18_gn,
+    "resnet10": resnet10,  # FedSC
+    "resnet8-x4": resnet8_x4,  # FedSKC
     # ImageNet-stem torchvision backbones of the heterogeneous settings, all with 512-d features
     "tv-resnet10": _imagenet_resnet(_BASIC, [1, 1, 1, 1]),
     "tv-resnet18": _imagenet_resnet(_BASIC, [2, 2, 2, 2]),

@@ -5,7 +5,8 @@ The partitioners are flwr-datasets' own (IID, Dirichlet, pathological), run over
 ``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol),
 ``dirichlet-balanced`` the CReFF-style equal-size Dirichlet split of FedSC/FedSKC's code and
 ``nid2`` FedSC's "5 biased + 1 full" split, here. A long-tail profile (``long-tail`` = rho) thins
-the training pool before any of them. Data scarcity (FedCoSR §6.3) cuts clients' shares, per class, before their train/test split.
+the training pool before any of them. Data scarcity (FedCoSR §6.3) cuts clients' shares, per
+class, before their train/test split.
 """
 
 from __future__ import annotations

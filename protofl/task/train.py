@@ -48,7 +48,7 @@ def train(
         order = torch.randperm(n, generator=generator).to(x.device)
         for start in range(0, n, batch_size):
             batch = order[start : start + batch_size]
-            if len(batch) == 1 and n > 1:
+            if _skipped(len(batch), n):
                 continue
             features, logits = model(x[batch])
             loss = F.cross_entropy(logits, y[batch])
@@ -62,6 +62,15 @@ def train(
             total += loss.detach()
             steps += 1
     return float(total) / max(steps, 1)
+
+
+def _skipped(batch: int, n: int) -> bool:
+    return batch == 1 and n > 1
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Optimiser steps :func:`train` takes per epoch over ``n`` samples."""
+    return sum(not _skipped(min(batch_size, n - start), n) for start in range(0, n, batch_size))
 
 
 @torch.no_grad()
@@ -86,14 +95,20 @@ def class_means(
 
 
 class FeatureSums:
-    """Per-class sums and counts of the (detached) features a training loop sees, e.g. from its
-    ``extra_loss``: the training-mode prototypes of FedSA's and HtFLlib's FedProto code."""
+    """Per-class sums and counts of the (detached) vectors a training loop sees, e.g. from its
+    ``extra_loss``: the training-mode prototypes of FedSA's, HtFLlib's FedProto and FedSC's code.
+    The first ``skip`` batches are not counted (``skip`` = the steps before the last epoch: the
+    last epoch only)."""
 
-    def __init__(self, num_classes: int, dim: int, device: torch.device) -> None:
+    def __init__(self, num_classes: int, dim: int, device: torch.device, skip: int = 0) -> None:
         self.sums = torch.zeros(num_classes, dim, device=device)
         self.counts = torch.zeros(num_classes, dtype=torch.long, device=device)
+        self.skip = skip
 
     def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.skip > 0:
+            self.skip -= 1
+            return
         self.sums.index_add_(0, labels, features.detach().to(self.sums.dtype))
         self.counts += torch.bincount(labels, minlength=len(self.counts))
 

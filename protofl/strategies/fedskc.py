@@ -1,0 +1,263 @@
+"""FedSKC (Wang et al., ICWS 2025): structural knowledge collaboration. Equation numbers are the
+paper's; defaults follow the paper, the released code's behaviour is a switch where it differs
+(spec ``fedsc_fedskc.md`` §3.9).
+
+Knowledge: per class, the mean logits of a client's training samples through SiLU,
+c <- c * sigmoid(c) (``silu = false``: raw mean logits, as the code), from an eval pass after
+training (``prototype-pass = "last-epoch"``: the last epoch's training logits, as the code).
+
+Client: round 1 (no global knowledge yet) trains with CE only; later rounds with CE + LCL (Eq. 2-3):
+cross-entropy of each sample's similarities to the C global knowledge vectors (its own class the
+one positive, classes without knowledge left out, temperature 0.08), similarity
+cos(l, c) / U(c) with U(c) the batch's mean distance to c (``similarity-norm = "none"``: plain
+cosine, as the code); ``lcl-warmup-rounds = 100`` scales LCL by min(r / 100, 1), as the code.
+Uploads: parameters, the C x C knowledge, the class counts.
+
+Server, each round:
+1. global knowledge (Eq. 1): per class, each holder's vector merged with its M = 1 nearest (L2)
+   other holder, then averaged over the holders;
+2. GDA (Eq. 4): d_k = sum over k's classes of ||c_k^j - global^j||, parameters averaged with
+   weights sigmoid(N_k - a_k d_k + b_k), normalised (``gda-mode = "paper"``: with raw sample counts
+   every sigmoid is 1.0, i.e. uniform weights); ``"normalized"``: sigmoid(N_k / sum N - d_k / sum d);
+   ``"fedavg"`` (or ``use-gda = false``): weights N_k;
+3. GPR (Eq. 5): with rho = relative change of the summed per-class variance of the global knowledge
+   since the last round, w <- beta w + (1 - beta) rho (w_prev - w) (``gpr-form = "paper"``) or
+   w <- w + (1 - beta) rho (w_prev - w) (``"interp"``), on the trainable parameters only (BatchNorm
+   statistics are carried from step 2); skipped while there is no previous knowledge.
+Ablations (Table V): ``use-lcl``, ``use-gda``, ``use-gpr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from protofl.config import ExperimentConfig
+from protofl.strategies.base import (
+    ArraySpec,
+    ClientUpdate,
+    PrototypeClient,
+    PrototypeStrategy,
+    check_class_counts,
+    check_loss_metrics,
+    get_weights,
+    mean_client_metrics,
+    set_weights,
+    weighted_average,
+)
+from protofl.task.prototypes import SIMILARITY_NORMS, neighbour_merge, prototype_infonce, sigmoid_discrepancy_weights
+from protofl.task.train import train
+
+GDA_MODES = ("paper", "normalized", "fedavg")
+GPR_FORMS = ("paper", "interp")
+LOSS_KEYS = ("lcl-loss",)
+
+
+@dataclass(frozen=True)
+class FedSKCOptions:
+    use_lcl: bool = True
+    use_gda: bool = True
+    use_gpr: bool = True
+    lambda_lcl: float = 1.0
+    temperature: float = 0.08
+    similarity_norm: str = "mean-distance"
+    lcl_warmup_rounds: int = 0
+    silu: bool = True
+    neighbours: int = 1  # M
+    gda_mode: str = "paper"
+    gpr_form: str = "paper"
+    beta: float = 0.95
+    gpr_clip: bool = False  # clip rho to [-1, 1] (not in the paper)
+    prototype_pass: str = "post-eval"
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig) -> "FedSKCOptions":
+        options = config.options_as(cls)
+        for name, allowed in (
+            ("similarity_norm", SIMILARITY_NORMS), ("gda_mode", GDA_MODES), ("gpr_form", GPR_FORMS),
+            ("prototype_pass", ("post-eval", "last-epoch")),
+        ):
+            if getattr(options, name) not in allowed:
+                raise ValueError(f"fedskc.{name.replace('_', '-')} must be one of {allowed}")
+        if options.temperature <= 0 or options.neighbours < 0 or options.lambda_lcl < 0:
+            raise ValueError("fedskc: temperature must be > 0, neighbours and lambda-lcl >= 0")
+        if not 0.0 <= options.beta <= 1.0 or options.lcl_warmup_rounds < 0:
+            raise ValueError("fedskc: beta must be in [0, 1] and lcl-warmup-rounds >= 0")
+        return options
+
+
+# --- server math ------------------------------------------------------------------------
+
+
+def global_knowledge(knowledge: np.ndarray, held: np.ndarray, neighbours: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """K x C x C client knowledge -> (C x C global knowledge, C mask of classes someone holds):
+    per class, each holder's vector merged with its nearest ``neighbours`` holders (L2), then the
+    mean over the holders (Eq. 1)."""
+    merged = np.zeros(knowledge.shape[1:], dtype=np.float32)
+    mask = held.any(axis=0)
+    for c in np.flatnonzero(mask):
+        merged[c] = neighbour_merge(knowledge[held[:, c], c], neighbours, "l2").mean(axis=0)
+    return merged, mask
+
+
+def knowledge_discrepancy(knowledge: np.ndarray, held: np.ndarray, global_vectors: np.ndarray) -> np.ndarray:
+    """d_k = sum over the classes client k holds of ||c_k^j - global^j||_2 (Eq. 4)."""
+    distances = np.linalg.norm(knowledge.astype(np.float64) - global_vectors[None].astype(np.float64), axis=2)
+    return (distances * held).sum(axis=1)
+
+
+def gda_weights(sizes: np.ndarray, discrepancies: np.ndarray, mode: str) -> np.ndarray:
+    """Parameter-aggregation weights (sum 1): Eq. 4 as printed (``paper``), with shares
+    (``normalized``), or by sample count (``fedavg``)."""
+    if mode == "fedavg":
+        return np.asarray(sizes, dtype=np.float64) / np.sum(sizes)
+    return sigmoid_discrepancy_weights(sizes, discrepancies, "raw-counts" if mode == "paper" else "normalized")
+
+
+def knowledge_variance(vectors: np.ndarray) -> float:
+    """sum over the classes of the population variance of the class's C knowledge entries."""
+    return float(np.asarray(vectors, dtype=np.float64).var(axis=1).sum())
+
+
+def variance_ratio(current: np.ndarray, previous: np.ndarray) -> float | None:
+    """rho_r = (sum var_r - sum var_(r-1)) / sum var_(r-1) (Eq. 5); None when the previous sum is 0."""
+    before = knowledge_variance(previous)
+    return None if before <= 0 else (knowledge_variance(current) - before) / before
+
+
+def period_review(
+    weights: list[np.ndarray], previous: list[np.ndarray], ratio: float, beta: float, form: str, trainable: list[bool]
+) -> list[np.ndarray]:
+    """GPR (Eq. 5) on the ``trainable`` arrays: beta w + (1 - beta) rho (w_prev - w) (``paper``) or
+    w + (1 - beta) rho (w_prev - w) (``interp``); the others (BatchNorm statistics) unchanged."""
+    keep = beta if form == "paper" else 1.0
+    reviewed = []
+    for w, w_prev, is_trainable in zip(weights, previous, trainable):
+        if is_trainable:
+            w64, prev64 = w.astype(np.float64), w_prev.astype(np.float64)
+            w = (keep * w64 + (1.0 - beta) * ratio * (prev64 - w64)).astype(w.dtype)
+        reviewed.append(w)
+    return reviewed
+
+
+# --- server -----------------------------------------------------------------------------
+
+
+class FedSKCStrategy(PrototypeStrategy):
+    broadcast_to_evaluate = False  # evaluation scores the global model's head
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = FedSKCOptions.from_config(self.config)
+        self.knowledge: np.ndarray | None = None  # the global knowledge of the last round
+        self.knowledge_mask: np.ndarray | None = None
+        self.global_weights = list(self.initial_weights)  # what the clients trained from this round
+        parameters = {name for name, _ in self.model.named_parameters()}
+        self.trainable = [name in parameters for name in self.model.state_dict()]
+
+    def upload_spec(self) -> dict[str, ArraySpec]:
+        return {
+            "knowledge": ArraySpec((self.num_classes, self.num_classes)),
+            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
+        }
+
+    def check_update(self, update: ClientUpdate) -> None:
+        check_class_counts(update)
+        check_loss_metrics(update, LOSS_KEYS)
+
+    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
+        if self.knowledge is None:
+            return {}
+        return {"global-knowledge": self.knowledge, "global-knowledge-mask": self.knowledge_mask}
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
+        knowledge = np.stack([u.payload["knowledge"] for u in updates])
+        held = np.stack([u.payload["class-counts"] for u in updates]) > 0
+        new_knowledge, new_mask = global_knowledge(knowledge, held, self.options.neighbours)
+        discrepancies = knowledge_discrepancy(knowledge, held, new_knowledge)
+        sizes = np.array([u.num_examples for u in updates])
+        weights = gda_weights(sizes, discrepancies, self.options.gda_mode if self.options.use_gda else "fedavg")
+        aggregated = weighted_average([u.parameters for u in updates], weights)
+        ratio = None
+        if self.options.use_gpr and self.knowledge is not None:
+            ratio = variance_ratio(new_knowledge[new_mask], self.knowledge[self.knowledge_mask])
+            if ratio is not None:
+                ratio = float(np.clip(ratio, -1.0, 1.0)) if self.options.gpr_clip else ratio
+                aggregated = period_review(
+                    aggregated, self.global_weights, ratio, self.options.beta, self.options.gpr_form, self.trainable
+                )
+        self.knowledge, self.knowledge_mask = new_knowledge, new_mask
+        self.global_weights = aggregated
+        self.recorder.update(
+            server_round,
+            gda_weight_min=float(weights.min()),
+            gda_weight_max=float(weights.max()),
+            gpr_ratio=ratio,
+            knowledge_variance=knowledge_variance(new_knowledge[new_mask]),
+            **mean_client_metrics(updates, LOSS_KEYS),
+        )
+        return aggregated
+
+
+# --- client -----------------------------------------------------------------------------
+
+
+class FedSKCClient(PrototypeClient):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = FedSKCOptions.from_config(self.config)
+
+    def _global_knowledge(self, config) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the available classes' knowledge vectors, their class ids); None before there is any."""
+        num_classes = self.data.num_classes
+        vectors = self.received(config, "global-knowledge", ArraySpec((num_classes, num_classes)))
+        mask = self.received(config, "global-knowledge-mask", ArraySpec((num_classes,), ("bool",)))
+        if vectors is None or mask is None or not mask.any():
+            return None
+        classes = np.flatnonzero(mask)
+        return torch.from_numpy(vectors[classes]).to(self.device), torch.from_numpy(classes).to(self.device)
+
+    def _lcl_weight(self, server_round: int) -> float:
+        warmup = self.options.lcl_warmup_rounds
+        return self.options.lambda_lcl * (min(server_round / warmup, 1.0) if warmup > 0 else 1.0)
+
+    def fit(self, parameters, config):
+        set_weights(self.model, parameters)
+        received = self._global_knowledge(config) if self.options.use_lcl else None
+        weight = self._lcl_weight(int(config.get("server-round", 1)))
+        seen = self.prototype_collector(self.options.prototype_pass, dim=self.data.num_classes)
+        parts: list[torch.Tensor] = []
+        options = self.options
+
+        def local_contrastive(_features, logits, labels):
+            if seen is not None:
+                seen.add(logits, labels)
+            if received is None:
+                return logits.new_zeros(())  # round 1: CE only
+            lcl = prototype_infonce(logits, labels, *received, options.temperature, options.similarity_norm)  # Eq. 3
+            parts.append(lcl.detach())
+            return weight * lcl
+
+        loss = train(
+            self.model, self.data.train_x, self.data.train_y,
+            extra_loss=local_contrastive if seen is not None or received is not None else None,
+            **self.train_kwargs(config),
+        )
+        knowledge = torch.from_numpy(self.local_prototypes(seen, space="logit"))
+        if self.options.silu:
+            knowledge = F.silu(knowledge)
+        metrics = {"lcl-loss": float(torch.stack(parts).mean())} if parts else {}
+        fit_metrics = self.fit_metrics(
+            loss, knowledge=knowledge.numpy(), **{"class-counts": self.data.class_counts()}
+        )
+        return get_weights(self.model), self.data.num_train, fit_metrics | metrics
+
+    def evaluate(self, parameters, config):
+        set_weights(self.model, parameters)
+        return self.evaluate_head()
+
+
+STRATEGY, CLIENT = FedSKCStrategy, FedSKCClient

@@ -1,0 +1,116 @@
+"""Prototype math that FedSC and FedSKC share (pure numpy / torch, no Flower).
+
+- :func:`neighbour_merge`: each client's class vector averaged with its M nearest peers (FedSC
+  Eq. 7-9 with the angle-wise rule, FedSKC Eq. 1 with pairwise L2);
+- :func:`prototype_infonce`: InfoNCE of queries against labelled keys, every key of the query's
+  label a positive, with the similarity normaliser U (FedSC Eq. 13-14, FedSKC Eq. 2-3);
+- :func:`sigmoid_discrepancy_weights`: aggregation weights from sizes and discrepancies (FedSC
+  Eq. 11, FedSKC Eq. 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NEIGHBOUR_METRICS = ("angle", "l1", "l2", "cosine", "kl")
+SIMILARITY_NORMS = ("mean-distance", "none")
+WEIGHT_FORMS = ("normalized", "raw-counts")
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine of ``a`` (n x d) against ``b`` (m x d): n x m."""
+    a_unit = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
+    b_unit = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
+    return a_unit @ b_unit.T
+
+
+def neighbour_distances(vectors: np.ndarray, metric: str) -> np.ndarray:
+    """n x n dissimilarities between n clients' vectors of one class (row k: from client k).
+
+    ``angle`` (FedSC Eq. 7-8): phi_k = cos(mean vector, v_k), distance |phi_k - phi_k'|.
+    ``l1`` / ``l2`` / ``cosine`` (1 - cos) / ``kl`` (KL(softmax v_k || softmax v_k')): pairwise, the
+    alternatives of FedSC's Table 5; ``l2`` is FedSKC's rule.
+    """
+    v = np.asarray(vectors, dtype=np.float64)
+    if metric == "angle":
+        phi = _cosine(v, v.mean(axis=0, keepdims=True))[:, 0]
+        return np.abs(phi[:, None] - phi[None, :])
+    if metric == "l1":
+        return np.abs(v[:, None] - v[None]).sum(axis=-1)
+    if metric == "l2":
+        return np.linalg.norm(v[:, None] - v[None], axis=-1)
+    if metric == "cosine":
+        return 1.0 - _cosine(v, v)
+    if metric == "kl":
+        log_p = v - v.max(axis=1, keepdims=True)
+        log_p = log_p - np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+        return (np.exp(log_p)[:, None] * (log_p[:, None] - log_p[None])).sum(axis=-1)
+    raise ValueError(f"neighbour metric must be one of {NEIGHBOUR_METRICS}, got {metric!r}")
+
+
+def neighbour_merge(vectors: np.ndarray, num_neighbours: int, metric: str) -> np.ndarray:
+    """Each row averaged with its ``num_neighbours`` nearest other rows (all of them when fewer;
+    ties go to the lower index): (v_k + sum of neighbours) / (1 + #neighbours)."""
+    v = np.asarray(vectors, dtype=np.float64)
+    n = len(v)
+    distances = neighbour_distances(v, metric) if n > 1 else np.zeros((1, 1))
+    np.fill_diagonal(distances, np.inf)
+    take = min(num_neighbours, n - 1)
+    merged = np.empty_like(v)
+    for k in range(n):
+        neighbours = np.argsort(distances[k], kind="stable")[:take]
+        merged[k] = (v[k] + v[neighbours].sum(axis=0)) / (1 + take)
+    return merged.astype(np.float32)
+
+
+def prototype_infonce(
+    queries: torch.Tensor,
+    labels: torch.Tensor,
+    keys: torch.Tensor,
+    key_labels: torch.Tensor,
+    temperature: float,
+    similarity_norm: str = "mean-distance",
+) -> torch.Tensor:
+    """Mean over the batch of -log(sum_pos exp(s/tau) / sum_all exp(s/tau)).
+
+    s(q, k) = cos(q, k) / U(k), U(k) = mean over the batch of ||q - k||_2, detached
+    (``mean-distance``, FedSC Eq. 13 / FedSKC Eq. 2), or the plain cosine (``none``, both codes).
+    The keys whose label is the query's are its positives, all others negatives. Queries whose
+    class has no key are left out; zero when none is left.
+    """
+    if similarity_norm not in SIMILARITY_NORMS:
+        raise ValueError(f"similarity norm must be one of {SIMILARITY_NORMS}, got {similarity_norm!r}")
+    positive = labels[:, None] == key_labels[None, :]
+    has_positive = positive.any(dim=1)
+    if not bool(has_positive.any()):
+        return queries.new_zeros(())
+    queries, positive = queries[has_positive], positive[has_positive]
+    keys = keys.to(queries.dtype)
+    similarity = torch.nn.functional.normalize(queries, dim=1) @ torch.nn.functional.normalize(keys, dim=1).T
+    if similarity_norm == "mean-distance":
+        similarity = similarity / torch.cdist(queries.detach(), keys).mean(dim=0).clamp(min=1e-12)
+    logits = similarity / temperature
+    positives = logits.masked_fill(~positive, float("-inf"))
+    return (torch.logsumexp(logits, dim=1) - torch.logsumexp(positives, dim=1)).mean()
+
+
+def sigmoid_discrepancy_weights(sizes: np.ndarray, discrepancies: np.ndarray, form: str = "normalized") -> np.ndarray:
+    """Aggregation weights e_k, summing to 1, that favour large clients with a small discrepancy.
+
+    ``normalized``: e_k proportional to sigmoid(n_k / sum n - d_k / sum d) (FedSC Eq. 11).
+    ``raw-counts``: sigmoid(n_k - a_k d_k + b_k), a_k = d_k / sum d, b_k = n_k / sum n (FedSKC Eq. 4 as
+    printed; with sample counts in the hundreds every sigmoid is 1.0 and the weights are uniform).
+    """
+    n = np.asarray(sizes, dtype=np.float64)
+    d = np.asarray(discrepancies, dtype=np.float64)
+    d_share = d / d.sum() if d.sum() > 0 else np.zeros_like(d)
+    n_share = n / n.sum()
+    if form == "normalized":
+        score = n_share - d_share
+    elif form == "raw-counts":
+        score = n - d_share * d + n_share
+    else:
+        raise ValueError(f"weight form must be one of {WEIGHT_FORMS}, got {form!r}")
+    sigmoid = 1.0 / (1.0 + np.exp(-score))
+    return sigmoid / sigmoid.sum()
