@@ -7,7 +7,8 @@
 Each method (or ``--variant LABEL="overrides"``, e.g. an ablation) is one real Flower simulation
 (`flwr run . --stream`) writing ``<out>/<label>/results.json``; the script then writes
 ``<out>/comparison.md`` (GM and PM final / best / last-10, PM std, traffic, time) and
-``<out>/comparison.png`` and prints the table.
+``<out>/comparison.png`` and prints the table. ``--include DIR`` adds the runs of an earlier
+invocation (``DIR/<label>/results.json``) to the table, so runs made apart can be compared.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def run_with_flower(label: str, run_config: str, federation_config: str, out: Pa
     return results, wall
 
 
+def included_results(directories: list[Path]) -> dict[str, dict]:
+    """label -> results.json of every finished run saved under the given directories."""
+    results = {}
+    for directory in directories:
+        paths = sorted(directory.expanduser().glob("*/results.json"))
+        if not paths:
+            raise SystemExit(f"--include {directory}: no <label>/results.json there")
+        for path in paths:
+            results[path.parent.name] = json.loads(path.read_text())
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="*", default=[], help="methods to run with the shared run config")
@@ -76,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                              "fedproto.average-parameters=true\"")
     parser.add_argument("--run-config", default="", help="run-config overrides shared by every run")
     parser.add_argument("--federation-config", default="", help="e.g. \"num-supernodes=20\"")
+    parser.add_argument("--include", action="append", default=[], type=Path, metavar="DIR",
+                        help="also compare the runs saved under DIR by an earlier invocation (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     args = parser.parse_args(argv)
 
@@ -83,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variant:
         label, _, overrides = variant.partition("=")
         runs.append((label, overrides))
-    if not runs:
-        parser.error("give --methods and/or --variant")
+    if not runs and not args.include:
+        parser.error("give --methods, --variant and/or --include")
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    results, failed = {}, []
+    results, failed = included_results(args.include), []
     for label, overrides in runs:
         result, wall = run_with_flower(label, f"{args.run_config} {overrides}", args.federation_config, out)
         if result is None:
@@ -101,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     command = shlex.join([Path(sys.executable).name, "benchmarks/compare.py", *(argv or sys.argv[1:])])
     table = comparison_table(results)
-    walls = ", ".join(f"{k} {v['wall_seconds']:.0f} s" for k, v in results.items())
+    walls = ", ".join(f"{k} {v['wall_seconds']:.0f} s" for k, v in results.items() if "wall_seconds" in v)
     report = (
         f"# Comparison\n\n- command: `{command}`\n- date: {datetime.date.today()}\n"
         f"- machine: {machine_description()}\n- wall time per run (incl. start-up): {walls}\n"

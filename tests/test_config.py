@@ -57,11 +57,30 @@ def test_every_registered_method_has_a_strategy_and_client():
     "override,message",
     [({"lr-typo": 1}, "unknown run-config key"), ({"partition": "shards"}, "partition must be"),
      ({"fraction-fit": 0.0}, "fraction-fit"), ({"evaluate-clients": "some"}, "evaluate-clients"),
-     ({"lr-decay": 0.0}, "lr-decay"), ({"max-grad-norm": -1.0}, "max-grad-norm")],
+     ({"lr-decay": 0.0}, "lr-decay"), ({"max-grad-norm": -1.0}, "max-grad-norm"),
+     ({"long-tail": 0.5}, "long-tail")],
 )
 def test_bad_values_are_clear_errors(override, message):
     with pytest.raises(ValueError, match=message):
         ExperimentConfig.from_run_config(RUN_CONFIG | override)
+
+
+def test_fedsc_and_fedskc_defaults_are_the_papers_and_bad_switches_are_errors():
+    from protofl.strategies.fedsc import FedSCOptions
+    from protofl.strategies.fedskc import FedSKCOptions
+
+    def options(cls, method, **overrides):
+        return cls.from_config(ExperimentConfig.from_run_config(RUN_CONFIG | {"method": method} | overrides))
+
+    sc = options(FedSCOptions, "fedsc")
+    assert (sc.temperature, sc.neighbours, sc.neighbour_metric) == (0.05, 2, "angle")
+    assert sc.similarity_norm == "mean-distance"
+    skc = options(FedSKCOptions, "fedskc")
+    assert (skc.temperature, skc.neighbours, skc.beta, skc.silu, skc.lcl_warmup_rounds) == (0.08, 1, 0.95, True, 0)
+    with pytest.raises(ValueError, match="neighbour-metric"):
+        options(FedSCOptions, "fedsc", **{"fedsc.neighbour-metric": "euclid"})
+    with pytest.raises(ValueError, match="gda-mode"):
+        options(FedSKCOptions, "fedskc", **{"fedskc.gda-mode": "fancy"})
 
 
 def test_output_directory_is_absolute():

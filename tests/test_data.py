@@ -221,3 +221,24 @@ def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, mon
 
 def torch_equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
+@pytest.mark.parametrize("layout", ["", "gzip", "EMNIST/raw"])
+def test_emnist_balanced_idx_files_in_nist_and_torchvision_layouts(tmp_path, layout):
+    folder = tmp_path / layout
+    folder.mkdir(parents=True, exist_ok=True)
+    images = {p: RNG.integers(0, 256, (n, 28, 28)) for p, n in (("train", 94), ("test", 47))}
+    labels = {p: np.arange(len(images[p])) % 47 for p in images}
+    for split in images:
+        write_idx(folder / f"emnist-balanced-{split}-images-idx3-ubyte", images[split], compress=layout == "gzip")
+        write_idx(folder / f"emnist-balanced-{split}-labels-idx1-ubyte", labels[split], compress=layout == "gzip")
+    dataset = data.load_dataset("emnist", str(tmp_path))
+    assert dataset.num_classes == 47 and dataset.train.images.shape == (94, 1, 28, 28)
+    np.testing.assert_array_equal(dataset.test.labels, labels["test"])
+    # NIST stores the glyphs transposed: row 5, column 7 of the file is row 7, column 5 upright
+    assert dataset.train.images[3, 0, 7, 5] == pytest.approx(images["train"][3, 5, 7] / 255.0 * 2 - 1, abs=1e-6)
+
+
+def test_emnist_without_files_names_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="emnist-balanced"):
+        data.load_dataset("emnist", str(tmp_path))

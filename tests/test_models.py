@@ -16,6 +16,8 @@ from protofl.task.models import build_model
         ("resnet18", 3, 32, 10, 512),
         ("resnet18", 1, 28, 10, 512),
         ("resnet18-gn", 3, 32, 200, 512),
+        ("resnet10", 3, 32, 10, 512),
+        ("resnet8-x4", 3, 32, 100, 256),
     ],
 )
 def test_models_return_features_and_logits(name, channels, size, classes, dim):
@@ -100,3 +102,16 @@ def test_a_model_family_gives_client_i_architecture_i_mod_x():
     from protofl.task.models import MODELS
 
     assert all(name in MODELS for family in MODEL_FAMILIES.values() for name in family)
+
+
+def test_fedsc_and_fedskc_resnets_have_one_block_per_stage():
+    def blocks(model):
+        return [m for m in model.modules() if type(m).__name__ == "BasicBlock"]
+
+    resnet10, resnet8 = build_model("resnet10", 3, 10, 32, seed=0), build_model("resnet8-x4", 3, 10, 32, seed=0)
+    assert [b.conv1.out_channels for b in blocks(resnet10)] == [64, 128, 256, 512]
+    assert [b.conv1.out_channels for b in blocks(resnet8)] == [64, 128, 256]
+    features, _ = resnet10(torch.randn(2, 3, 32, 32))
+    assert (features >= 0).all()  # post-ReLU, pooled
+    conv = blocks(resnet8)[2].conv2  # N(0, 2 / (3 * 3 * 256)): std 0.0295
+    assert conv.weight.std().item() == pytest.approx((2 / (9 * 256)) ** 0.5, rel=0.05)

@@ -99,3 +99,39 @@ def test_scarcity_cuts_the_last_clients_and_keeps_their_label_mix():
     assert set(train) | set(test) <= set(parts[3]) and not set(train) & set(test)
     kept = np.bincount(LABELS[np.concatenate([train, test])], minlength=10)
     assert kept.tolist() == np.round(np.bincount(LABELS[parts[3]], minlength=10) * 0.1).astype(int).tolist()
+
+
+def test_dirichlet_balanced_gives_equal_sizes_and_grows_skew_as_alpha_shrinks():
+    labels = np.repeat(np.arange(10), 300)
+    parts = partition_indices(labels, PartitionSpec("dirichlet-balanced", 20, alpha=0.1, seed=66))
+    assert sorted({len(p) for p in parts}) == [150]  # 3,000 / 20, re-cut to equal pieces
+    joined = np.concatenate(parts)
+    assert sorted(joined.tolist()) == list(range(3000))
+    again = partition_indices(labels, PartitionSpec("dirichlet-balanced", 20, alpha=0.1, seed=66))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+    def held(alpha):
+        spec = PartitionSpec("dirichlet-balanced", 20, alpha=alpha, seed=66)
+        return np.mean(classes_per_partition(partition_indices(labels, spec), labels))
+
+    assert held(0.05) < held(1.0) < held(100.0) <= 10
+
+
+def test_nid2_has_biased_clients_with_their_class_blocks_and_one_full_client():
+    labels = np.repeat(np.arange(10), 120)  # s = 1200 / (10 * 6) = 20
+    parts = partition_indices(labels, PartitionSpec("nid2", 6, seed=0))
+    for i, part in enumerate(parts[:5]):
+        assert np.bincount(labels[part], minlength=10).tolist() == [100 if c // 2 == i else 0 for c in range(10)]
+    assert np.bincount(labels[parts[5]], minlength=10).tolist() == [20] * 10
+    assert len(np.unique(np.concatenate(parts))) == 1200 - 10 * 120 + 6 * 200  # disjoint
+    with pytest.raises(ValueError, match="nid2 needs"):
+        partition_indices(labels, PartitionSpec("nid2", 12, seed=0))
+
+
+def test_long_tail_thins_classes_exponentially_before_partitioning():
+    labels = np.repeat(np.arange(10), 300)
+    spec = PartitionSpec("iid", 4, seed=0, long_tail=100.0)
+    kept = np.bincount(labels[np.concatenate(partition_indices(labels, spec))], minlength=10)
+    # n_max = 300, class c keeps floor(300 * 100^(-c / 9)): 300, 179, ..., 3
+    assert kept.tolist() == [int(300 * 100 ** (-c / 9)) for c in range(10)]
+    assert kept[0] / kept[-1] == 100

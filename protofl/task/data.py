@@ -6,6 +6,10 @@ Sources:
 - ``fmnist``: the IDX files in ``data-dir`` (e.g. ``/usr/share/datasets/fashion-mnist`` from
   Debian's ``dataset-fashion-mnist``, which is also tried when ``data-dir`` is empty), else the
   Hugging Face hub copy through flwr-datasets.
+- ``emnist``: EMNIST Balanced (47 classes, FedSKC): NIST's IDX files
+  ``emnist-balanced-{train,test}-{images-idx3,labels-idx1}-ubyte[.gz]`` in ``data-dir`` (or its
+  ``gzip/`` folder, NIST's zip layout, or ``EMNIST/raw/``, torchvision's), else the same files
+  from the Hugging Face hub; images are stored transposed and are turned upright.
 - ``cifar10`` / ``cifar100``: torchvision's on-disk format under ``data-dir``
   (``cifar-10-batches-py`` / ``cifar-100-python``), else the hub copy through flwr-datasets.
 
@@ -39,6 +43,7 @@ DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 DATASETS = {
     "digits": (10, None, None, None),
     "fmnist": (10, "zalando-datasets/fashion_mnist", "image", "label"),
+    "emnist": (47, "Royc30ne/emnist-balanced", None, None),  # a hub repository of NIST's IDX files
     "cifar10": (10, "uoft-cs/cifar10", "img", "label"),
     "cifar100": (100, "uoft-cs/cifar100", "img", "fine_label"),
 }
@@ -157,18 +162,49 @@ def _find(directory: Path, stem: str) -> Path:
     raise FileNotFoundError(f"{directory} has no {stem}[.gz]")
 
 
-def read_idx_split(directory: Path, prefix: str) -> ArraySplit:
-    """The ``<prefix>-images-idx3-ubyte`` / ``<prefix>-labels-idx1-ubyte`` pair (prefix train or t10k)."""
+def read_idx_split(directory: Path, prefix: str, transposed: bool = False) -> ArraySplit:
+    """The ``<prefix>-images-idx3-ubyte`` / ``<prefix>-labels-idx1-ubyte`` pair (prefix train or
+    t10k); ``transposed`` images (EMNIST's) are turned upright."""
     images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"))
     labels = read_idx(_find(directory, f"{prefix}-labels-idx1-ubyte"))
     if len(images) != len(labels):
         raise ValueError(f"{directory}: {len(images)} {prefix} images but {len(labels)} labels")
-    return _split(images, labels)
+    return _split(images.transpose(0, 2, 1) if transposed else images, labels)
 
 
 def load_idx_dir(directory: Path) -> tuple[ArraySplit, ArraySplit]:
     """MNIST-format directory: train-/t10k- images-idx3 and labels-idx1 files."""
     return read_idx_split(directory, "train"), read_idx_split(directory, "t10k")
+
+
+EMNIST_PREFIX = "emnist-balanced"
+EMNIST_FILES = [
+    f"{EMNIST_PREFIX}-{split}-{kind}-ubyte.gz" for split in ("train", "test") for kind in ("images-idx3", "labels-idx1")
+]
+
+
+def load_emnist_dir(directory: Path) -> tuple[ArraySplit, ArraySplit]:
+    """EMNIST Balanced from NIST's IDX files in ``directory``, its ``gzip/`` or its ``EMNIST/raw/``."""
+    for folder in (directory, directory / "gzip", directory / "EMNIST" / "raw"):
+        try:
+            train = read_idx_split(folder, f"{EMNIST_PREFIX}-train", transposed=True)
+            return train, read_idx_split(folder, f"{EMNIST_PREFIX}-test", transposed=True)
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(f"{directory} (or its gzip/, EMNIST/raw/) has no {EMNIST_PREFIX}-train/test IDX files")
+
+
+def _load_emnist_hub(repository: str) -> tuple[ArraySplit, ArraySplit]:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        paths = [Path(hf_hub_download(repository, name, repo_type="dataset")) for name in EMNIST_FILES]
+    except Exception as err:  # no network, no cache, moved repository ...
+        raise RuntimeError(
+            f"could not download EMNIST from the Hugging Face hub repository {repository!r} "
+            f"({err.__class__.__name__}: {err}); set the run config's data-dir to a local copy"
+        ) from err
+    return load_emnist_dir(paths[0].parent)
 
 
 # --- CIFAR (torchvision's python pickles) ------------------------------------------------
@@ -266,6 +302,8 @@ def load_dataset(name: str, data_dir: str = "") -> Dataset:
         if directory is None and DEBIAN_FMNIST_DIR.is_dir():
             directory = DEBIAN_FMNIST_DIR
         train, test = load_idx_dir(directory) if directory else _load_hub(hub_name, image_key, label_key)
+    elif name == "emnist":
+        train, test = load_emnist_dir(directory) if directory else _load_emnist_hub(hub_name)
     else:
         train, test = (
             load_cifar_dir(directory, num_classes) if directory else _load_hub(hub_name, image_key, label_key)
