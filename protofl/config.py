@@ -105,13 +105,20 @@ class ExperimentConfig:
         """A value from this method's nested run-config table."""
         return self.options.get(key, default)
 
-    def options_as(self, cls: type) -> Any:
-        """This method's table as the dataclass ``cls`` ("-" in keys read as "_"); unknown keys are an error."""
+    def options_as(self, cls: type, choices: dict[str, tuple] | None = None) -> Any:
+        """This method's table as the dataclass ``cls`` ("-" in keys read as "_"); unknown keys are an
+        error, and so is a field named in ``choices`` whose value is not one of its allowed values."""
         values = {k.replace("-", "_"): v for k, v in self.options.items()}
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown {self.method} option(s) {sorted(unknown)}")
-        return cls(**values)
+        options = cls(**values)
+        for name, allowed in (choices or {}).items():
+            if getattr(options, name) not in allowed:
+                raise ValueError(
+                    f"{self.method}.{name.replace('_', '-')} must be one of {allowed}, got {getattr(options, name)!r}"
+                )
+        return options
 
     def partition_spec(self, num_partitions: int) -> PartitionSpec:
         return PartitionSpec(

@@ -77,9 +77,9 @@ def test_fedsc_and_fedskc_defaults_are_the_papers_and_bad_switches_are_errors():
     assert sc.similarity_norm == "mean-distance"
     skc = options(FedSKCOptions, "fedskc")
     assert (skc.temperature, skc.neighbours, skc.beta, skc.silu, skc.lcl_warmup_rounds) == (0.08, 1, 0.95, True, 0)
-    with pytest.raises(ValueError, match="neighbour-metric"):
+    with pytest.raises(ValueError, match="fedsc.neighbour-metric must be one of .*, got .euclid."):
         options(FedSCOptions, "fedsc", **{"fedsc.neighbour-metric": "euclid"})
-    with pytest.raises(ValueError, match="gda-mode"):
+    with pytest.raises(ValueError, match="fedskc.gda-mode must be one of .*, got .fancy."):
         options(FedSKCOptions, "fedskc", **{"fedskc.gda-mode": "fancy"})
 
 

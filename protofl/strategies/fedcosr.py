@@ -73,12 +73,9 @@ class FedCoSROptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedCoSROptions":
-        options = config.options_as(cls)
-        for name, allowed in (
-            ("local_aggregation", LOCAL_AGGREGATIONS), ("tau_loss", TAU_LOSSES), ("evaluate_at", EVALUATE_AT)
-        ):
-            if getattr(options, name) not in allowed:
-                raise ValueError(f"fedcosr.{name.replace('_', '-')} must be one of {allowed}")
+        options = config.options_as(
+            cls, {"local_aggregation": LOCAL_AGGREGATIONS, "tau_loss": TAU_LOSSES, "evaluate_at": EVALUATE_AT}
+        )
         if options.contrastive_weight < 0 or options.temperature <= 0 or options.gamma <= 0:
             raise ValueError("fedcosr: contrastive-weight must be >= 0, temperature and gamma > 0")
         if not 0.0 <= options.fixed_tau <= 1.0:

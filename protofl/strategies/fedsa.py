@@ -77,14 +77,10 @@ class FedSAOptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedSAOptions":
-        options = config.options_as(cls)
-        for name, allowed in (
-            ("anchor_init", ANCHOR_INITS), ("proto_agg", tuple(PROTO_AGGS)),
-            ("prototype_pass", PROTOTYPE_PASSES), ("inference", INFERENCES), ("loss_form", LOSS_FORMS),
-            ("margin", tuple(MARGINS)),
-        ):
-            if getattr(options, name) not in allowed:
-                raise ValueError(f"fedsa.{name.replace('_', '-')} must be one of {allowed}")
+        options = config.options_as(cls, {
+            "anchor_init": ANCHOR_INITS, "proto_agg": tuple(PROTO_AGGS), "prototype_pass": PROTOTYPE_PASSES,
+            "inference": INFERENCES, "loss_form": LOSS_FORMS, "margin": tuple(MARGINS),
+        })
         if isinstance(options.lambda_mcl, str) and options.lambda_mcl != "auto":
             raise ValueError(f"fedsa.lambda-mcl must be a number or 'auto', got {options.lambda_mcl!r}")
         if min(options.lambda_r, options.lambda_cc, options.mcl_weight(config)) < 0:

@@ -73,13 +73,10 @@ class FedSCOptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedSCOptions":
-        options = config.options_as(cls)
-        for name, allowed in (
-            ("similarity_norm", SIMILARITY_NORMS), ("cpdr_distance", CPDR_DISTANCES),
-            ("neighbour_metric", NEIGHBOUR_METRICS), ("prototype_pass", ("post-eval", "last-epoch")),
-        ):
-            if getattr(options, name) not in allowed:
-                raise ValueError(f"fedsc.{name.replace('_', '-')} must be one of {allowed}")
+        options = config.options_as(cls, {
+            "similarity_norm": SIMILARITY_NORMS, "cpdr_distance": CPDR_DISTANCES,
+            "neighbour_metric": NEIGHBOUR_METRICS, "prototype_pass": ("post-eval", "last-epoch"),
+        })
         if options.temperature <= 0 or options.neighbours < 0 or min(options.lambda_rpcl, options.lambda_cpdr) < 0:
             raise ValueError("fedsc: temperature must be > 0, neighbours and the loss weights >= 0")
         return options

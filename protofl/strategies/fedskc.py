@@ -75,13 +75,10 @@ class FedSKCOptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedSKCOptions":
-        options = config.options_as(cls)
-        for name, allowed in (
-            ("similarity_norm", SIMILARITY_NORMS), ("gda_mode", GDA_MODES), ("gpr_form", GPR_FORMS),
-            ("prototype_pass", ("post-eval", "last-epoch")),
-        ):
-            if getattr(options, name) not in allowed:
-                raise ValueError(f"fedskc.{name.replace('_', '-')} must be one of {allowed}")
+        options = config.options_as(cls, {
+            "similarity_norm": SIMILARITY_NORMS, "gda_mode": GDA_MODES, "gpr_form": GPR_FORMS,
+            "prototype_pass": ("post-eval", "last-epoch"),
+        })
         if options.temperature <= 0 or options.neighbours < 0 or options.lambda_lcl < 0:
             raise ValueError("fedskc: temperature must be > 0, neighbours and lambda-lcl >= 0")
         if not 0.0 <= options.beta <= 1.0 or options.lcl_warmup_rounds < 0:
