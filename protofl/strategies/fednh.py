@@ -59,15 +59,9 @@ class FedNHOptions:
 
     @classmethod
     def from_config(cls, config: ExperimentConfig) -> "FedNHOptions":
-        options = config.options_as(cls)
+        options = config.options_as(cls, {"prototype_init": PROTOTYPE_INITS, "prototype_means": PROTOTYPE_MEANS})
         if not 0.0 <= options.rho <= 1.0:
             raise ValueError(f"fednh.rho must be in [0, 1], got {options.rho}")
-        if options.prototype_init not in PROTOTYPE_INITS:
-            raise ValueError(f"fednh.prototype-init must be one of {PROTOTYPE_INITS}, got {options.prototype_init!r}")
-        if options.prototype_means not in PROTOTYPE_MEANS:
-            raise ValueError(
-                f"fednh.prototype-means must be one of {PROTOTYPE_MEANS}, got {options.prototype_means!r}"
-            )
         if options.scale <= 0:
             raise ValueError(f"fednh.scale must be > 0, got {options.scale}")
         return options
