@@ -3,8 +3,10 @@
     python benchmarks/overhead.py --num-clients 20 \
         --run-config "dataset='fmnist' num-server-rounds=5 local-epochs=1" --out runs/overhead
 
-Both sides train the same clients (same seeded sampling), for the same epochs, batch size, model
-and per-client seeds, with the same `protofl.task` training loop. Flower side: `flwr run` with
+Both sides train the same clients (same seeded sampling), for the same epochs, batch size, model,
+per-client seeds and learning-rate schedule (``lr * lr-decay^(round - 1)``), with the same
+`protofl.task` training loop. This script imports no Flower module: the Flower side runs as a
+subprocess. Flower side: `flwr run` with
 ``num-supernodes = --num-clients``, timed per round from the strategy's ``fit_seconds``
 (configure_fit -> aggregate_fit). Bare side: one process, clients one after the other, timed per
 round around the same work (load global weights, train, read weights, average). Round 1 is
@@ -18,7 +20,6 @@ import datetime
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -27,37 +28,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compare import machine_description, run_with_flower  # noqa: E402
-from flwr.common.config import flatten_dict, parse_config_args  # noqa: E402
 
-from protofl.config import ExperimentConfig  # noqa: E402
-from protofl.strategies.base import client_seed, get_weights, sample_partitions, set_weights, weighted_average  # noqa: E402
+from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
 from protofl.task.data import load_client_data, load_dataset  # noqa: E402
 from protofl.task.models import build_model  # noqa: E402
+from protofl.task.sampling import client_seed, sample_partitions  # noqa: E402
 from protofl.task.train import get_device, train  # noqa: E402
+from protofl.task.weights import get_weights, set_weights, weighted_average  # noqa: E402
 
 
-def bare_loop(config: ExperimentConfig, num_clients: int) -> list[float]:
+def bare_loop(settings: ExperimentSettings, num_clients: int) -> list[float]:
     """Seconds per round of FedAvg's local work in one process, no Flower."""
     device = str(get_device())
-    dataset = load_dataset(config.dataset, config.data_dir)
-    spec = config.partition_spec(num_clients)
-    clients = [load_client_data(config.dataset, config.data_dir, spec, p, device) for p in range(num_clients)]
-    model = build_model(config.model, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
+    dataset = load_dataset(settings.dataset, settings.data_dir)
+    spec = settings.partition_spec(num_clients)
+    clients = [load_client_data(settings.dataset, settings.data_dir, spec, p, device) for p in range(num_clients)]
+    model = build_model(settings.model, dataset.in_channels, dataset.num_classes, dataset.image_size, settings.seed)
     model.to(device)
     global_weights = get_weights(model)
     seconds = []
-    for server_round in range(1, config.num_server_rounds + 1):
+    for server_round in range(1, settings.num_server_rounds + 1):
         started = time.perf_counter()
         sampled = sample_partitions(
-            range(num_clients), config.fraction_fit, config.min_fit_clients, config.seed, server_round
+            range(num_clients), settings.fraction_fit, settings.min_fit_clients, settings.seed, server_round
         )
         updates, sizes = [], []
         for p in sampled:
             set_weights(model, global_weights)
             train(
-                model, clients[p].train_x, clients[p].train_y, epochs=config.local_epochs,
-                batch_size=config.batch_size, lr=config.lr, momentum=config.momentum,
-                weight_decay=config.weight_decay, seed=client_seed(config.seed, server_round, p),
+                model, clients[p].train_x, clients[p].train_y, epochs=settings.local_epochs,
+                batch_size=settings.batch_size, lr=settings.round_lr(server_round), momentum=settings.momentum,
+                weight_decay=settings.weight_decay, max_grad_norm=settings.max_grad_norm,
+                seed=client_seed(settings.seed, server_round, p),
             )
             updates.append(get_weights(model))
             sizes.append(clients[p].num_train)
@@ -76,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out.expanduser().resolve()
 
-    defaults = flatten_dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
-    overrides = parse_config_args([args.run_config]) | {"method": "fedavg"}
+    defaults = default_run_config(ROOT / "pyproject.toml")
+    overrides = parse_overrides(args.run_config) | {"method": "fedavg"}
     rounds = int((defaults | overrides)["num-server-rounds"])
     overrides["eval-every"] = rounds  # evaluate only once, at the end
-    config = ExperimentConfig.from_run_config(defaults | overrides)
+    settings = ExperimentSettings.from_run_config(defaults | overrides)
     if rounds < 2:
         parser.error("need at least 2 rounds (round 1 is warm-up)")
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if flower_results is None:
         return 1
     flower_rounds = [r["fit_seconds"] for r in flower_results["rounds"]]
-    bare_rounds = bare_loop(config, args.num_clients)
+    bare_rounds = bare_loop(settings, args.num_clients)
 
     flower_mean, bare_mean = float(np.mean(flower_rounds[1:])), float(np.mean(bare_rounds[1:]))
     summary = {
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": str(datetime.date.today()),
         "machine": machine_description(),
         "num_clients": args.num_clients,
-        "run_config": config.as_dict(),
+        "run_config": settings.as_dict(),
         "federation_config": federation,
         "flower_seconds_per_round": flower_rounds,
         "bare_seconds_per_round": bare_rounds,

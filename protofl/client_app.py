@@ -24,7 +24,7 @@ import torch
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 
-from protofl.config import ExperimentConfig
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import ClientData, cached_on_disk, load_client_data, load_local_client_data
 from protofl.task.train import get_device
@@ -34,39 +34,39 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
     """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty)."""
 
     def client_fn(context: Context) -> Client:
-        config = ExperimentConfig.from_run_config(run_config if run_config is not None else context.run_config)
+        settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
         if "num-threads" in context.node_config:
             threads = int(context.node_config["num-threads"])
             if threads < 1:
                 raise ValueError(f"num-threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
-        data = node_data(config, context.node_config, str(get_device()))
-        model = build_method_model(config, data, str(context.node_config.get("model", "")) or None)
-        _, client_class = get_method(config.method)
+        data = node_data(settings, context.node_config, str(get_device()))
+        model = build_method_model(settings, data, str(context.node_config.get("model", "")) or None)
+        _, client_class = get_method(settings.method)
         num_partitions = int(context.node_config["num-partitions"])
-        return client_class(config, data, model, num_partitions, context.state).to_client()
+        return client_class(settings, data, model, num_partitions, context.state).to_client()
 
     return client_fn
 
 
-def node_data(config: ExperimentConfig, node_config: Mapping[str, Any], device: str) -> ClientData:
+def node_data(settings: ExperimentSettings, node_config: Mapping[str, Any], device: str) -> ClientData:
     """This node's data: its own directory (``local-data-dir``), else its partition."""
     missing = [key for key in ("partition-id", "num-partitions") if key not in node_config]
     if missing:
         raise ValueError(f"the node config lacks {', '.join(missing)} (flower-supernode --node-config)")
     partition_id = int(node_config["partition-id"])
-    spec = config.partition_spec(int(node_config["num-partitions"]))
+    spec = settings.partition_spec(int(node_config["num-partitions"]))
     local_dir = str(node_config.get("local-data-dir", ""))
-    data_dir = local_dir or str(node_config.get("data-dir", config.data_dir))
+    data_dir = local_dir or str(node_config.get("data-dir", settings.data_dir))
     loader = load_local_client_data if local_dir else load_client_data
 
     def load() -> ClientData:
-        return loader(config.dataset, data_dir, spec, partition_id, device)
+        return loader(settings.dataset, data_dir, spec, partition_id, device)
 
     cache_dir = str(node_config.get("cache-dir", ""))
     if not cache_dir:
         return load()
-    key = (config.dataset, data_dir, bool(local_dir), spec, partition_id)
+    key = (settings.dataset, data_dir, bool(local_dir), spec, partition_id)
     return cached_on_disk(cache_dir, key, data_dir, load, device)
 
 

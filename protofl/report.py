@@ -1,4 +1,5 @@
-"""Run results: per-round records, summaries, results.json / metrics.csv / PNG, comparison tables.
+"""Run results: per-round records, summaries, results.json / metrics.csv / PNG, the progress and
+summary lines of the log, comparison tables.
 
 No flwr imports: the server strategy feeds a :class:`RunRecorder`, the comparison runner reads the
 files back. The results.json schema is documented in README.md ("Results").
@@ -11,7 +12,7 @@ import datetime
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -132,6 +133,35 @@ class RunRecorder:
         if plot:
             plot_curves({self.run_config.get("method", "run"): results}, self.directory / "accuracy.png")
         return results
+
+
+def progress_line(record: Mapping[str, Any]) -> str:
+    """One round's log line: GM, PM, PM(L)/PM(V), training loss, traffic, time."""
+    parts = []
+    if record.get("global_accuracy") is not None:
+        parts.append(f"GM {record['global_accuracy']:.4f}")
+    if record.get("personalized_accuracy") is not None:
+        parts.append(f"PM {record['personalized_accuracy']:.4f} (std {record['personalized_std']:.4f})")
+    if record.get("pm_l") is not None:
+        parts.append(f"PM(L) {record['pm_l']:.4f} PM(V) {record['pm_v']:.4f}")
+    if record.get("train_loss") is not None:
+        parts.append(f"train loss {record['train_loss']:.4f}")
+    up, down = (record.get("bytes_up") or 0) / 1e6, (record.get("bytes_down") or 0) / 1e6
+    parts.append(f"up {up:.2f} MB, down {down:.2f} MB")
+    parts.append(f"{record.get('seconds') or 0:.1f} s")
+    return " | ".join(parts)
+
+
+def summary_text(results: Mapping[str, Any], directory: Path) -> str:
+    """The run's summary: final, best and last-10 of each measured accuracy, and where the files are."""
+    lines = [
+        f"{key}: final {s['final']:.4f} | best {s['best']:.4f} (round {s['best_round']}) "
+        f"| last-10 mean {s['last10_mean']:.4f}"
+        for key, s in results["summary"].items()
+        if s
+    ]
+    lines.append(f"results written to {directory}")
+    return "\n".join(lines)
 
 
 def write_csv(rounds: list[dict[str, Any]], path: Path) -> None:

@@ -1,4 +1,5 @@
-"""ServerApp: builds the method's Strategy from the run config."""
+"""ServerApp: builds the method's Strategy from the run config, and runs Flower's server loop with
+protofl's summary at the end."""
 
 from __future__ import annotations
 
@@ -7,31 +8,54 @@ from typing import Any, Callable, Mapping
 
 from flwr.common import Context
 from flwr.common.logger import log
-from flwr.server import ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
+from flwr.server import History, Server, ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 
-from protofl.config import ExperimentConfig
+from protofl.report import summary_text
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
-from protofl.strategies.base import PrototypeServer
 from protofl.task.data import load_dataset, load_global_test
 from protofl.task.train import get_device
+
+
+class RunSummary(History):
+    """Flower's History, printed in the [SUMMARY] log as protofl's summary instead of every metric."""
+
+    summary = ""
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+class PrototypeServer(Server):
+    """Flower's Server loop, plus the strategy's final files and summary once all rounds are done."""
+
+    def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
+        history, elapsed = super().fit(num_rounds, timeout)
+        recorder = self.strategy.recorder
+        recorder.extra["total_seconds"] = elapsed
+        summary = RunSummary()
+        summary.__dict__.update(history.__dict__)
+        summary.summary = summary_text(recorder.write(plot=True), recorder.directory)
+        return summary, elapsed
 
 
 def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], ServerAppComponents]:
     """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty)."""
 
     def server_fn(context: Context) -> ServerAppComponents:
-        config = ExperimentConfig.from_run_config(run_config if run_config is not None else context.run_config)
-        strategy_class, _ = get_method(config.method)
-        dataset = load_dataset(config.dataset, config.data_dir)
-        model = build_method_model(config, dataset)
-        global_test = load_global_test(config.dataset, config.data_dir, str(get_device()))
-        strategy = strategy_class(config, model, dataset.num_classes, global_test)
+        settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
+        strategy_class, _ = get_method(settings.method)
+        dataset = load_dataset(settings.dataset, settings.data_dir)
+        model = build_method_model(settings, dataset)
+        global_test = load_global_test(settings.dataset, settings.data_dir, str(get_device()))
+        strategy = strategy_class(settings, model, dataset.num_classes, global_test)
         log(
             INFO, "protofl: %s on %s (%s partition), %d rounds; results go to %s",
-            config.method, config.dataset, config.partition, config.num_server_rounds, strategy.recorder.directory,
+            settings.method, settings.dataset, settings.partition, settings.num_server_rounds,
+            strategy.recorder.directory,
         )
         server = PrototypeServer(client_manager=SimpleClientManager(), strategy=strategy)
-        return ServerAppComponents(server=server, config=ServerConfig(num_rounds=config.num_server_rounds))
+        return ServerAppComponents(server=server, config=ServerConfig(num_rounds=settings.num_server_rounds))
 
     return server_fn
 

@@ -1,12 +1,15 @@
-"""Server-side math on hand-computed numbers."""
+"""Flower-free aggregation math (task/prototypes, task/weights, task/sampling) and the results'
+statistics (report), on hand-computed numbers."""
 
 import numpy as np
 import pytest
 import torch
 
 from protofl.report import class_weighted_accuracy, personalized_stats, summarize
-from protofl.strategies.base import aggregate_prototypes, client_seed, sample_partitions, weighted_average
 from protofl.strategies.fedproto import prototype_loss
+from protofl.task.prototypes import aggregate_prototypes
+from protofl.task.sampling import client_seed, sample_partitions
+from protofl.task.weights import weighted_average
 
 # two clients, three classes, 2-d features; nobody holds class 2 (client A's row is junk)
 PROTOTYPES = np.array(

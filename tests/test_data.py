@@ -142,12 +142,12 @@ def test_global_test_subset_is_the_first_images_of_each_class():
 
 def test_node_uses_its_own_local_data_whole(tmp_path):
     from protofl.client_app import node_data
-    from protofl.config import ExperimentConfig
+    from protofl.settings import ExperimentSettings
 
     images, labels = RNG.integers(0, 256, (40, 28, 28)), np.repeat(np.arange(4), 10)
     write_idx(tmp_path / "train-images-idx3-ubyte", images, compress=True)  # no t10k files: a node's own data
     write_idx(tmp_path / "train-labels-idx1-ubyte", labels, compress=True)
-    config = ExperimentConfig.from_run_config({"dataset": "fmnist", "test-fraction": 0.2})
+    config = ExperimentSettings.from_run_config({"dataset": "fmnist", "test-fraction": 0.2})
     node = {"partition-id": 3, "num-partitions": 5, "local-data-dir": str(tmp_path)}
     client = node_data(config, node, "cpu")
     assert client.partition_id == 3 and client.num_train == 32 and client.num_test == 8  # all 40, 20 % per class
@@ -172,12 +172,12 @@ def test_node_local_cifar_data_may_hold_some_training_batches(tmp_path):
 
 def test_node_config_data_dir_replaces_the_run_configs(tmp_path):
     from protofl.client_app import node_data
-    from protofl.config import ExperimentConfig
+    from protofl.settings import ExperimentSettings
 
     for prefix, n in (("train", 60), ("t10k", 10)):
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
         write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
-    config = ExperimentConfig.from_run_config({"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"),
+    config = ExperimentSettings.from_run_config({"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"),
                                                "partition": "iid"})
     client = node_data(config, {"partition-id": 1, "num-partitions": 2, "data-dir": str(tmp_path)}, "cpu")
     assert client.num_train + client.num_test == 30  # half of this node's 60 training images
@@ -189,7 +189,7 @@ def test_node_config_data_dir_replaces_the_run_configs(tmp_path):
 
 def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, monkeypatch):
     from protofl.client_app import node_data
-    from protofl.config import ExperimentConfig
+    from protofl.settings import ExperimentSettings
 
     def write_train(n):
         write_idx(tmp_path / "own" / "train-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
@@ -197,7 +197,7 @@ def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, mon
 
     (tmp_path / "own").mkdir()
     write_train(40)
-    config = ExperimentConfig.from_run_config({"dataset": "fmnist"})
+    config = ExperimentSettings.from_run_config({"dataset": "fmnist"})
     node = {"partition-id": 2, "num-partitions": 3, "local-data-dir": str(tmp_path / "own"),
             "cache-dir": str(tmp_path / "cache")}
     first = node_data(config, node, "cpu")

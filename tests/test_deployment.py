@@ -15,6 +15,7 @@ import pytest
 from test_simulation import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 NUM_NODES = 2
 RUN_TIMEOUT = 420

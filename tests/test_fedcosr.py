@@ -11,19 +11,26 @@ from fakes import OK, FakeProxy
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
-from protofl.config import ExperimentConfig
+from protofl.federation.wire import (
+    CLASS_COUNTS,
+    CLASS_MEANS,
+    GLOBAL_PROTOTYPES,
+    ClassStatistics,
+    ClassVectors,
+    encode_array,
+)
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
-from protofl.strategies.base import encode_array, get_weights
 from protofl.strategies.fedcosr import (
     FedCoSRClient,
     FedCoSRStrategy,
-    batches_per_epoch,
     mix_weights,
     mixing_weight,
-    prototype_info_nce,
+    sample_infonce_losses,
 )
 from protofl.task.data import load_client_data, load_dataset
-from protofl.task.train import class_means, features_and_logits, train
+from protofl.task.train import class_means, features_and_logits, steps_per_epoch, train
+from protofl.task.weights import get_weights
 
 
 def test_tau_from_a_given_loss():
@@ -49,31 +56,31 @@ def test_info_nce_takes_own_class_positive_and_every_other_prototype_negative():
     features = torch.tensor([[0.5, 0.0], [0.0, 1.0]])
     labels = torch.tensor([0, 0])
     everything = torch.tensor([True, True, True])
-    losses = prototype_info_nce(features, labels, PROTOTYPES, everything, temperature=0.5)
+    losses = sample_infonce_losses(features, labels, PROTOTYPES, everything, temperature=0.5)
     # sample 1: cos = (1, 0, -1), logits (2, 0, -2): -log(e^2 / (e^2 + 1 + e^-2)) = log(1 + e^-2 + e^-4)
     # sample 2: cos = (0, 1, 0), logits (0, 2, 0): log(1 + e^2 + 1) - 0
     expected = [math.log(1 + math.exp(-2) + math.exp(-4)), math.log(2 + math.exp(2))]
     np.testing.assert_allclose(losses.numpy(), expected, rtol=1e-6)
     # class 2 without a global prototype: not a negative
-    without_2 = prototype_info_nce(features, labels, PROTOTYPES, torch.tensor([True, True, False]), 0.5)
+    without_2 = sample_infonce_losses(features, labels, PROTOTYPES, torch.tensor([True, True, False]), 0.5)
     np.testing.assert_allclose(without_2.numpy(), [math.log(1 + math.exp(-2)), math.log(1 + math.exp(2))], rtol=1e-6)
     # samples whose own class has no prototype are left out
-    one_left = prototype_info_nce(features, torch.tensor([2, 0]), PROTOTYPES, torch.tensor([True, True, False]), 0.5)
+    one_left = sample_infonce_losses(features, torch.tensor([2, 0]), PROTOTYPES, torch.tensor([True, True, False]), 0.5)
     assert len(one_left) == 1
     # no negatives: (1 - cos(w, p_y)) / tau_CL
-    aligned = prototype_info_nce(features, labels, PROTOTYPES, everything, 0.5, negatives=False)
+    aligned = sample_infonce_losses(features, labels, PROTOTYPES, everything, 0.5, negatives=False)
     np.testing.assert_allclose(aligned.numpy(), [0.0, 2.0], atol=1e-7)
     # all prototypes equal: log C
-    same = prototype_info_nce(torch.randn(5, 2), torch.zeros(5, dtype=torch.long), torch.ones(3, 2), everything, 0.1)
+    same = sample_infonce_losses(torch.randn(5, 2), torch.zeros(5, dtype=torch.long), torch.ones(3, 2), everything, 0.1)
     np.testing.assert_allclose(same.numpy(), math.log(3), rtol=1e-6)
 
 
-def test_batches_per_epoch_matches_the_training_loop():
-    assert [batches_per_epoch(n, 10) for n in (20, 21, 25, 1, 9)] == [2, 2, 3, 1, 1]
+def test_steps_per_epoch_counts_what_the_training_loop_takes():
+    assert [steps_per_epoch(n, 10) for n in (20, 21, 25, 1, 9)] == [2, 2, 3, 1, 1]
 
 
 def make_client(state, **options):
-    config = ExperimentConfig(method="fedcosr", local_epochs=1, options=options)
+    config = ExperimentSettings(method="fedcosr", local_epochs=1, options=options)
     data = load_client_data("digits", "", config.partition_spec(4), 1)
     return FedCoSRClient(config, data, build_method_model(config, data), 4, state)
 
@@ -84,8 +91,8 @@ def body_arrays(client):
 
 def prototype_config(server_round, prototypes, mask=None):
     mask = np.ones(len(prototypes), bool) if mask is None else mask
-    return {"server-round": server_round, "seed": server_round,
-            "global-prototypes": encode_array(prototypes), "global-prototype-mask": encode_array(mask)}
+    arrays = ClassVectors(prototypes, mask).to_config(GLOBAL_PROTOTYPES)
+    return {"server-round": server_round, "seed": server_round, **{k: encode_array(v) for k, v in arrays.items()}}
 
 
 def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
@@ -96,14 +103,15 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     sent, n, metrics = client.fit(phi0, {"server-round": 1, "seed": 1})
     # what goes out: phi only (same names and shapes as the body), prototypes and counts as bytes
     assert [a.shape for a in sent] == [a.shape for a in phi0]
+    assert [a.shape for a in client.get_parameters({})] == [a.shape for a in phi0]  # never the head
     for a, b in zip(sent, body_arrays(client)):
         np.testing.assert_array_equal(a, b)
     assert not any(v.shape == tuple(head0.shape) for v in sent)
     assert metrics["la-tau"] == 0.0 and "contrastive-loss" not in metrics  # round 1: CE only
-    counts = np.load(io.BytesIO(metrics["class-counts"]))
+    counts = np.load(io.BytesIO(metrics[CLASS_COUNTS]))
     features, _ = features_and_logits(client.model, client.data.train_x)
     expected, _ = class_means(features, client.data.train_y, 10)
-    np.testing.assert_allclose(np.load(io.BytesIO(metrics["prototypes"])), expected, atol=1e-6)
+    np.testing.assert_allclose(np.load(io.BytesIO(metrics[CLASS_MEANS])), expected, atol=1e-6)
     np.testing.assert_array_equal(counts, client.data.class_counts())
     assert n == client.data.num_train
     assert not torch.equal(client.model.head.weight, head0)  # the head trained and stays here
@@ -115,8 +123,9 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     again = make_client(state)
     again.restore_personal_model()
     feats, _ = features_and_logits(again.model, again.data.train_x)
-    fresh_loss = prototype_info_nce(feats, again.data.train_y, torch.from_numpy(prototypes), torch.ones(10, dtype=bool),
-                                    0.1).mean().item()
+    everything = torch.ones(10, dtype=bool)
+    fresh_loss = sample_infonce_losses(feats, again.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
+    fresh_loss = fresh_loss.mean().item()
     global_phi = [a * 0 + 0.01 for a in trained_phi]
     tau = again._local_aggregation(global_phi, again.global_prototypes(prototype_config(2, prototypes)))
     assert tau == pytest.approx(math.exp(-fresh_loss), rel=1e-5)
@@ -147,14 +156,14 @@ def test_without_contrastive_loss_and_local_aggregation_it_is_ce_on_global_phi_a
 
     reference = make_client(RecordDict())
     reference.model.load_state_dict(after_round_1)
-    reference._load_shared(global_phi)
+    reference.load_shared(global_phi)
     train(reference.model, reference.data.train_x, reference.data.train_y, **reference.train_kwargs({"seed": 2}))
     for a, b in zip(sent, body_arrays(reference)):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missing_classes(tmp_path, caplog):
-    config = ExperimentConfig(method="fedcosr", output_dir=str(tmp_path), run_name="run")
+    config = ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run")
     strategy = FedCoSRStrategy(config, build_method_model(config, load_dataset("digits")), 10)
     strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(4)}
     strategy.sampled = [0, 1, 2, 3]
@@ -168,7 +177,7 @@ def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missi
             prototypes[c] = v
         arrays = arrays if arrays is not None else [np.full_like(w, value) for w in phi]
         metrics = {"partition-id": pid, "train-loss": 1.0, "la-tau": tau, "contrastive-loss": 0.7,
-                   "prototypes": encode_array(prototypes), "class-counts": encode_array(np.array(counts))}
+                   **ClassStatistics(prototypes, np.array(counts)).to_metrics()}
         return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(arrays), int(sum(counts)), metrics)
 
     a = result(0, 1.0, [3, 1] + [0] * 8, {0: 1.0, 1: 2.0})
@@ -180,31 +189,31 @@ def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missi
     assert "parameter arrays" in caplog.text and "la-tau" in caplog.text
     np.testing.assert_allclose(parameters_to_ndarrays(parameters)[0], (4 * 1.0 + 3 * 8.0) / 7)  # Eq. 5
     # Eq. 6: class 0 (3 * 1 + 1 * 5) / 4 = 2, class 1 only from A, class 2 only from B
-    np.testing.assert_allclose(strategy.prototypes[:3, 0], [2.0, 2.0, 4.0])
-    assert strategy.prototype_mask.tolist() == [True] * 3 + [False] * 7
+    np.testing.assert_allclose(strategy.prototypes.vectors[:3, 0], [2.0, 2.0, 4.0])
+    assert strategy.prototypes.mask.tolist() == [True] * 3 + [False] * 7
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
     assert (record["la_tau_mean"], record["la_tau_min"], record["la_tau_max"]) == pytest.approx((0.3, 0.1, 0.5))
 
     # round 2: only class 0 reported; classes 1 and 2 keep last round's prototypes
     strategy.sampled = [0]
     strategy.aggregate_fit(2, [result(0, 1.0, [4] + [0] * 9, {0: 9.0})], [])
-    np.testing.assert_allclose(strategy.prototypes[:3, 0], [9.0, 2.0, 4.0])
-    assert strategy.prototype_mask.sum() == 3
-    sent = strategy._configs(3, [0])[0]
-    np.testing.assert_array_equal(np.load(io.BytesIO(sent["global-prototypes"])), strategy.prototypes)
+    np.testing.assert_allclose(strategy.prototypes.vectors[:3, 0], [9.0, 2.0, 4.0])
+    assert strategy.prototypes.mask.sum() == 3
+    sent = strategy.round_configs(3, [0])[0]
+    np.testing.assert_array_equal(np.load(io.BytesIO(sent[GLOBAL_PROTOTYPES])), strategy.prototypes.vectors)
 
-    dropping = FedCoSRStrategy(ExperimentConfig(method="fedcosr", output_dir=str(tmp_path), run_name="run2",
+    dropping = FedCoSRStrategy(ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run2",
                                                 options={"keep-missing-prototypes": False}),
                                build_method_model(config, load_dataset("digits")), 10)
     dropping.partitions, dropping.sampled = strategy.partitions, [0, 1]
     dropping.aggregate_fit(1, [a, b], [])
     dropping.sampled = [0]
     dropping.aggregate_fit(2, [result(0, 1.0, [4] + [0] * 9, {0: 9.0})], [])
-    assert dropping.prototype_mask.tolist() == [True] + [False] * 9
+    assert dropping.prototypes.mask.tolist() == [True] + [False] * 9
 
 
 def test_share_head_ablation_exchanges_and_mixes_the_whole_model():
-    config = ExperimentConfig(method="fedcosr", options={"share-head": True})
+    config = ExperimentSettings(method="fedcosr", options={"share-head": True})
     strategy = FedCoSRStrategy(config, build_method_model(config, load_dataset("digits")), 10)
     assert strategy.has_global_model and len(strategy.shared_weights()) == len(strategy.initial_weights)
     state = RecordDict()
@@ -230,7 +239,7 @@ def test_fresh_eval_tau_and_evaluation_after_aggregation():
     fresh.restore_personal_model()
     features, _ = features_and_logits(fresh.model, fresh.data.train_x)
     everything = torch.ones(10, dtype=bool)
-    expected = prototype_info_nce(features, fresh.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
+    expected = sample_infonce_losses(features, fresh.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
     expected = expected.mean().item()
     assert expected != pytest.approx(stored, rel=1e-3)
     global_phi = [a * 0 for a in body_arrays(fresh)]
@@ -243,5 +252,5 @@ def test_fresh_eval_tau_and_evaluation_after_aggregation():
     after_aggregation = make_client(state, **{"evaluate-at": "after-aggregation"}).evaluate(global_phi, config)
     stored_model = make_client(state)
     stored_model.restore_personal_model()
-    assert after_fit == stored_model.evaluate_head()
+    assert after_fit == stored_model.score(stored_model.predictors())
     assert after_aggregation[0] != after_fit[0]

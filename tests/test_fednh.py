@@ -10,9 +10,12 @@ from fakes import OK, FakeProxy
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
-from protofl.config import ExperimentConfig
+from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, encode_array
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
-from protofl.strategies.base import encode_array, get_weights
+from protofl.strategies.fednh import (
+    PROTOTYPES as PROTOTYPES_KEY,
+)
 from protofl.strategies.fednh import (
     FedNHClient,
     FedNHStrategy,
@@ -22,6 +25,7 @@ from protofl.strategies.fednh import (
 )
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.train import train
+from protofl.task.weights import get_weights
 
 
 @pytest.mark.parametrize("classes,dim", [(2, 2), (10, 192), (100, 192), (10, 512)])
@@ -74,7 +78,7 @@ def test_prototype_update_with_raw_means_and_rho_one():
 
 
 def model_and_data(**options):
-    config = ExperimentConfig(method="fednh", model="fednh-cnn", options=options)
+    config = ExperimentSettings(method="fednh", model="fednh-cnn", options=options)
     dataset = load_dataset("digits")
     return config, build_method_model(config, dataset), load_client_data("digits", "", config.partition_spec(4), 1)
 
@@ -104,11 +108,11 @@ def test_client_uploads_normalised_class_means_and_evaluates_its_trained_model()
     client = FedNHClient(config, data, model, 4, state)
     initial = get_weights(model)
     prototypes = model.head.prototypes.numpy().copy()
-    fit_config = {"server-round": 1, "seed": 1, "prototypes": encode_array(prototypes)}
+    fit_config = {"server-round": 1, "seed": 1, PROTOTYPES_KEY: encode_array(prototypes)}
     returned, n, metrics = client.fit(initial, fit_config)
     assert n == data.num_train
-    means = np.load(io.BytesIO(metrics["class-means"]))
-    counts = np.load(io.BytesIO(metrics["class-counts"]))
+    means = np.load(io.BytesIO(metrics[CLASS_MEANS]))
+    counts = np.load(io.BytesIO(metrics[CLASS_COUNTS]))
     np.testing.assert_array_equal(counts, data.class_counts())
     norms = np.linalg.norm(means, axis=1)
     assert (norms[counts > 0] > 0.1).all() and (norms <= 1 + 1e-5).all() and (norms[counts == 0] == 0).all()
@@ -117,13 +121,13 @@ def test_client_uploads_normalised_class_means_and_evaluates_its_trained_model()
     # the global parameters and newer prototypes arrive
     _, _, trained_result = client.evaluate(returned, {})
     fresh = FedNHClient(config, data, build_method_model(config, load_dataset("digits")), 4, state)
-    newer = {"prototypes": encode_array(np.roll(prototypes, 1, axis=0))}
+    newer = {PROTOTYPES_KEY: encode_array(np.roll(prototypes, 1, axis=0))}
     assert fresh.evaluate(initial, newer)[2] == trained_result
     assert 0.0 <= trained_result["pm-l"] <= 1.0 and 0.0 <= trained_result["pm-v"] <= 1.0
 
 
 def test_strategy_updates_prototypes_averages_unweighted_and_rejects_inconsistent_payloads(tmp_path, caplog):
-    config = ExperimentConfig(method="fednh", model="fednh-cnn", output_dir=str(tmp_path), run_name="run",
+    config = ExperimentSettings(method="fednh", model="fednh-cnn", output_dir=str(tmp_path), run_name="run",
                               options={"rho": 0.5})
     model = build_method_model(config, load_dataset("digits"))
     strategy = FedNHStrategy(config, model, 10)
@@ -137,8 +141,7 @@ def test_strategy_updates_prototypes_averages_unweighted_and_rejects_inconsisten
         if means is None:
             means = np.zeros((10, d), np.float32)
             means[counts > 0] = w0[(np.arange(10) + 1) % 10][counts > 0]  # each class pulled toward the next
-        metrics = {"partition-id": pid, "train-loss": 1.0,
-                   "class-means": encode_array(means), "class-counts": encode_array(counts)}
+        metrics = {"partition-id": pid, "train-loss": 1.0, **ClassStatistics(means, counts).to_metrics()}
         return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(arrays), int(counts.sum()), metrics)
 
     counts_a = np.array([5, 5] + [0] * 8)
@@ -157,7 +160,7 @@ def test_strategy_updates_prototypes_averages_unweighted_and_rejects_inconsisten
     untouched = [2] + list(range(4, 10))
     np.testing.assert_array_equal(strategy.prototypes[untouched], w0[untouched])
     assert not np.allclose(strategy.prototypes[[0, 1, 3]], w0[[0, 1, 3]])
-    sent = strategy._configs(2, [0])[0]["prototypes"]
+    sent = strategy.round_configs(2, [0])[0][PROTOTYPES_KEY]
     np.testing.assert_array_equal(np.load(io.BytesIO(sent)), strategy.prototypes)
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
     assert record["rejected"] == 2

@@ -11,9 +11,19 @@ from fakes import OK, FakeProxy
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters
 
-from protofl.config import ExperimentConfig
+from protofl.federation.wire import (
+    CLASS_COUNTS,
+    CLASS_MEANS,
+    GLOBAL_PROTOTYPES,
+    ClassStatistics,
+    ClassVectors,
+    encode_array,
+)
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
-from protofl.strategies.base import encode_array, get_weights
+from protofl.strategies.fedsa import (
+    ANCHORS as ANCHORS_KEY,
+)
 from protofl.strategies.fedsa import (
     FedSAClient,
     FedSAOptions,
@@ -29,6 +39,7 @@ from protofl.strategies.fedsa import (
 )
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.models import build_model
+from protofl.task.weights import get_weights
 
 
 def test_anchors_are_deterministic_per_seed_and_look_like_the_spec():
@@ -108,27 +119,27 @@ def test_calibration_gradient_reaches_only_the_head():
 
 
 def test_lambda_mcl_auto_follows_the_model_setting():
-    homogeneous, family = ExperimentConfig(method="fedsa"), ExperimentConfig(method="fedsa", model="htfe2")
-    assert FedSAOptions.from_config(homogeneous).mcl_weight(homogeneous) == 0.01
-    assert FedSAOptions.from_config(family).mcl_weight(family) == 1.0
-    explicit = ExperimentConfig(method="fedsa", model="htfe2", options={"lambda-mcl": 0.5})
-    assert FedSAOptions.from_config(explicit).mcl_weight(explicit) == 0.5
+    homogeneous, family = ExperimentSettings(method="fedsa"), ExperimentSettings(method="fedsa", model="htfe2")
+    assert FedSAOptions.from_settings(homogeneous).mcl_weight(homogeneous) == 0.01
+    assert FedSAOptions.from_settings(family).mcl_weight(family) == 1.0
+    explicit = ExperimentSettings(method="fedsa", model="htfe2", options={"lambda-mcl": 0.5})
+    assert FedSAOptions.from_settings(explicit).mcl_weight(explicit) == 0.5
     with pytest.raises(ValueError, match="lambda-mcl"):
-        FedSAOptions.from_config(ExperimentConfig(method="fedsa", options={"lambda-mcl": "big"}))
+        FedSAOptions.from_settings(ExperimentSettings(method="fedsa", options={"lambda-mcl": "big"}))
 
 
 ANCHORS = initial_anchors(10, 512, seed=0)
 
 
 def make_client(state, partition_id=1, **config_values):
-    config = ExperimentConfig(method="fedsa", local_epochs=1, **config_values)
+    config = ExperimentSettings(method="fedsa", local_epochs=1, **config_values)
     data = load_client_data("digits", "", config.partition_spec(4), partition_id)
     return FedSAClient(config, data, build_method_model(config, data), 4, state)
 
 
-def anchor_config(server_round, anchors=ANCHORS, **arrays):
-    return {"server-round": server_round, "seed": server_round, "anchors": encode_array(anchors),
-            **{k: encode_array(v) for k, v in arrays.items()}}
+def anchor_config(server_round, anchors=ANCHORS, prototypes=None):
+    arrays = {ANCHORS_KEY: anchors} | (ClassVectors(*prototypes).to_config(GLOBAL_PROTOTYPES) if prototypes else {})
+    return {"server-round": server_round, "seed": server_round, **{k: encode_array(v) for k, v in arrays.items()}}
 
 
 def test_client_sends_no_parameters_keeps_its_model_and_its_prototype_margin():
@@ -136,10 +147,10 @@ def test_client_sends_no_parameters_keeps_its_model_and_its_prototype_margin():
     client = make_client(state)
     initial = [w.copy() for w in get_weights(client.model)]
     sent, n, metrics = client.fit([], anchor_config(1))
-    assert sent == [] and n == client.data.num_train
-    assert {"regularization-loss", "contrastive-loss", "calibration-loss"} <= set(metrics)
-    prototypes = np.load(io.BytesIO(metrics["prototypes"]))
-    counts = np.load(io.BytesIO(metrics["class-counts"]))
+    assert sent == [] and client.get_parameters({}) == [] and n == client.data.num_train
+    assert {"regularization-loss", "margin-contrastive-loss", "calibration-loss"} <= set(metrics)
+    prototypes = np.load(io.BytesIO(metrics[CLASS_MEANS]))
+    counts = np.load(io.BytesIO(metrics[CLASS_COUNTS]))
     assert counts.sum() == n and (prototypes[counts == 0] == 0).all() and (prototypes[counts > 0] != 0).any()
     # the margin it keeps is that of its uploaded prototypes, and d* = max(anchor margin, own margin)
     own = nearest_neighbour_margin(torch.from_numpy(prototypes[counts > 0]))
@@ -159,13 +170,13 @@ def test_client_sends_no_parameters_keeps_its_model_and_its_prototype_margin():
 def test_prototypes_are_the_means_of_the_training_features_seen_or_of_an_eval_pass():
     client = make_client(RecordDict())
     _, _, metrics = client.fit([], anchor_config(1))
-    during = np.load(io.BytesIO(metrics["prototypes"]))
+    during = np.load(io.BytesIO(metrics[CLASS_MEANS]))
     post = make_client(RecordDict(), options={"prototype-pass": "post-eval"})
     _, _, metrics = post.fit([], anchor_config(1))
     from protofl.task.train import class_means, features_and_logits
 
     expected, _ = class_means(features_and_logits(post.model, post.data.train_x)[0], post.data.train_y, 10)
-    np.testing.assert_allclose(np.load(io.BytesIO(metrics["prototypes"])), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.load(io.BytesIO(metrics[CLASS_MEANS])), expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(during, expected, atol=1e-3)  # features from before each step differ
 
 
@@ -186,9 +197,9 @@ def test_evaluation_logs_prototype_anchor_and_head_predictions():
     state = RecordDict()
     client = make_client(state)
     _, _, fit_metrics = client.fit([], anchor_config(1))
-    prototypes = np.load(io.BytesIO(fit_metrics["prototypes"]))
-    mask = np.load(io.BytesIO(fit_metrics["class-counts"])) > 0
-    config = anchor_config(1, **{"global-prototypes": prototypes, "global-prototype-mask": mask})
+    prototypes = np.load(io.BytesIO(fit_metrics[CLASS_MEANS]))
+    mask = np.load(io.BytesIO(fit_metrics[CLASS_COUNTS])) > 0
+    config = anchor_config(1, prototypes=(prototypes, mask))
     _, n, metrics = make_client(state).evaluate([], config)
     assert n == client.data.num_test
     assert {"correct-prototype", "correct-anchor", "correct-head"} <= set(metrics)
@@ -198,7 +209,7 @@ def test_evaluation_logs_prototype_anchor_and_head_predictions():
 
 
 def test_an_architecture_with_another_feature_size_is_a_clear_error():
-    config = ExperimentConfig(method="fedsa", local_epochs=1)
+    config = ExperimentSettings(method="fedsa", local_epochs=1)
     data = load_client_data("digits", "", config.partition_spec(4), 0)
     client = FedSAClient(config, data, build_method_model(config, data, "fednh-cnn"), 4, RecordDict())
     with pytest.raises(ValueError, match="512-d, but this client's model gives 192-d"):
@@ -206,54 +217,54 @@ def test_an_architecture_with_another_feature_size_is_a_clear_error():
 
 
 def test_strategy_averages_prototypes_moves_anchors_and_sends_the_same_anchors_to_everyone(tmp_path, caplog):
-    config = ExperimentConfig(method="fedsa", output_dir=str(tmp_path), run_name="run", options={"ema": 0.5})
+    config = ExperimentSettings(method="fedsa", output_dir=str(tmp_path), run_name="run", options={"ema": 0.5})
     strategy = FedSAStrategy(config, build_method_model(config, load_dataset("digits")), 10)
     assert strategy.shared_weights() == [] and strategy.initialize_parameters(None).tensors == []
     np.testing.assert_array_equal(strategy.anchors, initial_anchors(10, 512, seed=0))
     strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(3)}
     strategy.sampled = [0, 1, 2]
-    configs = strategy._configs(1, [0, 1, 2])
-    assert len({c["anchors"] for c in configs}) == 1 and "global-prototypes" not in configs[0]
-    np.testing.assert_array_equal(np.load(io.BytesIO(configs[0]["anchors"])), strategy.anchors)
+    configs = strategy.round_configs(1, [0, 1, 2])
+    assert len({c[ANCHORS_KEY] for c in configs}) == 1 and GLOBAL_PROTOTYPES not in configs[0]
+    np.testing.assert_array_equal(np.load(io.BytesIO(configs[0][ANCHORS_KEY])), strategy.anchors)
 
     def result(pid, counts, class_values, **metrics):
         prototypes = np.zeros((10, 512), np.float32)
         for c, v in class_values.items():
             prototypes[c] = v
-        metrics = {"partition-id": pid, "train-loss": 1.0, "prototypes": encode_array(prototypes),
-                   "class-counts": encode_array(np.array(counts)), **metrics}
+        metrics = {"partition-id": pid, "train-loss": 1.0, **ClassStatistics(prototypes, np.array(counts)).to_metrics(),
+                   **metrics}
         return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters([]), int(sum(counts)), metrics)
 
     before = strategy.anchors.copy()
-    a = result(0, [3, 1] + [0] * 8, {0: 1.0, 1: 2.0}, **{"contrastive-loss": 1.0})
-    b = result(1, [1, 0, 2] + [0] * 7, {0: 5.0, 2: 4.0}, **{"contrastive-loss": 3.0})
-    bad = result(2, [1] * 10, {}, **{"contrastive-loss": -1.0})
+    a = result(0, [3, 1] + [0] * 8, {0: 1.0, 1: 2.0}, **{"margin-contrastive-loss": 1.0})
+    b = result(1, [1, 0, 2] + [0] * 7, {0: 5.0, 2: 4.0}, **{"margin-contrastive-loss": 3.0})
+    bad = result(2, [1] * 10, {}, **{"margin-contrastive-loss": -1.0})
     parameters, metrics = strategy.aggregate_fit(1, [a, b, bad], [])
-    assert parameters.tensors == [] and metrics["accepted"] == 2 and "contrastive-loss" in caplog.text
+    assert parameters.tensors == [] and metrics["accepted"] == 2 and "margin-contrastive-loss" in caplog.text
     # unweighted mean over uploaders: class 0 (1 + 5) / 2 = 3 (count-weighted would be 2)
-    np.testing.assert_allclose(strategy.global_prototypes[:3, 0], [3.0, 2.0, 4.0])
-    assert strategy.prototype_mask.tolist() == [True] * 3 + [False] * 7
+    np.testing.assert_allclose(strategy.global_prototypes.vectors[:3, 0], [3.0, 2.0, 4.0])
+    assert strategy.global_prototypes.mask.tolist() == [True] * 3 + [False] * 7
     np.testing.assert_allclose(strategy.anchors[0], 0.5 * before[0] + 0.5 * 3.0, rtol=1e-6)
     np.testing.assert_array_equal(strategy.anchors[3:], before[3:])  # unseen classes keep their anchors
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
-    assert record["contrastive_loss"] == pytest.approx((4 * 1.0 + 3 * 3.0) / 7)
+    assert record["margin_contrastive_loss"] == pytest.approx((4 * 1.0 + 3 * 3.0) / 7)
     assert record["anchor_drift"] > 0 and record["prototype_margin"] > 0
 
     weighted = FedSAStrategy(
-        ExperimentConfig(method="fedsa", output_dir=str(tmp_path), run_name="w", options={"proto-agg": "weighted"}),
+        ExperimentSettings(method="fedsa", output_dir=str(tmp_path), run_name="w", options={"proto-agg": "weighted"}),
         strategy.model, 10,
     )
     weighted.partitions, weighted.sampled = strategy.partitions, [0, 1]
     weighted.aggregate_fit(1, [a, b], [])
-    assert weighted.global_prototypes[0, 0] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)
-    sent = weighted._configs(2, [0])[0]
-    assert {"anchors", "global-prototypes", "global-prototype-mask"} <= set(sent)
+    assert weighted.global_prototypes.vectors[0, 0] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)
+    sent = weighted.round_configs(2, [0])[0]
+    assert {ANCHORS_KEY, GLOBAL_PROTOTYPES, f"{GLOBAL_PROTOTYPES}-mask"} <= set(sent)
 
 
 def test_a_model_family_with_a_method_that_exchanges_parameters_is_refused(tmp_path):
     from protofl.strategies.fedavg import FedAvgStrategy
 
-    config = ExperimentConfig(method="fedavg", model="htfe2", output_dir=str(tmp_path))
+    config = ExperimentSettings(method="fedavg", model="htfe2", output_dir=str(tmp_path))
     strategy = FedAvgStrategy(config, build_method_model(config, load_dataset("digits")), 10)
     with pytest.raises(ValueError, match="different architectures"):
         strategy.initialize_parameters(None)

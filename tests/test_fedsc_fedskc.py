@@ -11,10 +11,13 @@ import torch.nn.functional as F
 from fakes import OK, FakeProxy
 from flwr.common import FitRes, ndarrays_to_parameters
 
-from protofl.config import ExperimentConfig
+from protofl.federation.wire import CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
-from protofl.strategies.base import encode_array, get_weights
 from protofl.strategies.fedsc import (
+    CONSISTENT_PROTOTYPES,
+    RELATIONAL_LABELS,
+    RELATIONAL_PROTOTYPES,
     FedSCClient,
     FedSCStrategy,
     consistency_loss,
@@ -23,6 +26,7 @@ from protofl.strategies.fedsc import (
     relational_prototypes,
 )
 from protofl.strategies.fedskc import (
+    GLOBAL_KNOWLEDGE,
     FedSKCClient,
     FedSKCStrategy,
     gda_weights,
@@ -32,8 +36,9 @@ from protofl.strategies.fedskc import (
     variance_ratio,
 )
 from protofl.task.data import load_client_data, load_dataset
-from protofl.task.prototypes import neighbour_merge, prototype_infonce, sigmoid_discrepancy_weights
+from protofl.task.prototypes import multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
 from protofl.task.train import class_means, features_and_logits, steps_per_epoch
+from protofl.task.weights import get_weights
 
 SIGMOID_HALF = 1 / (1 + math.exp(-0.5))  # sigma(0.5) = 0.6225; sigma(-0.5) = 1 - that
 
@@ -75,12 +80,12 @@ def test_rpcl_on_a_two_class_toy_batch():
     # plain cosine: z0 scores (1, r, 0) with positives {0, 1}; z1 scores (0, r, 1) with positive {2}
     e = [math.exp(2.0), math.exp(r / tau), 1.0]
     expected = (math.log(sum(e)) - math.log(e[0] + e[1]) + math.log(sum(e)) - 2.0) / 2
-    loss = prototype_infonce(z, y, keys, key_labels, tau, "none")
+    loss = multi_positive_infonce(z, y, keys, key_labels, tau, "none")
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     # Eq. 13: U = mean distance of the batch's queries (z0, z1) to each key: (r, 1, r)
     e = [math.exp(1 / r / tau), math.exp(r / 1 / tau), 1.0]
     expected = (math.log(sum(e)) - math.log(e[0] + e[1]) + math.log(sum(e)) - 1 / r / tau) / 2
-    loss = prototype_infonce(z[:2], y[:2], keys, key_labels, tau, "mean-distance")
+    loss = multi_positive_infonce(z[:2], y[:2], keys, key_labels, tau, "mean-distance")
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -90,7 +95,7 @@ def test_one_key_per_class_is_cross_entropy_over_the_class_similarities():
     knowledge = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     similarity = F.normalize(logits, dim=1) @ F.normalize(knowledge, dim=1).T
     expected = F.cross_entropy(similarity / 0.08, labels)
-    assert prototype_infonce(logits, labels, knowledge, torch.arange(4), 0.08, "none").item() == pytest.approx(
+    assert multi_positive_infonce(logits, labels, knowledge, torch.arange(4), 0.08, "none").item() == pytest.approx(
         expected.item(), rel=1e-5
     )
 
@@ -126,16 +131,15 @@ def test_relational_prototypes_merge_per_class_among_its_holders():
 
 
 def digits_strategy(cls, tmp_path, method, model="cnn", **options):
-    config = ExperimentConfig(method=method, model=model, output_dir=str(tmp_path), run_name="run", options=options)
+    config = ExperimentSettings(method=method, model=model, output_dir=str(tmp_path), run_name="run", options=options)
     strategy = cls(config, build_method_model(config, load_dataset("digits")), 10)
     strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(3)}
     strategy.sampled = [0, 1, 2]
     return strategy
 
 
-def fit_result(pid, counts, parameters, **arrays):
-    metrics = {"partition-id": pid, "train-loss": 1.0, "class-counts": encode_array(np.array(counts)),
-               **{k: encode_array(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}}
+def fit_result(pid, counts, parameters, means):
+    metrics = {"partition-id": pid, "train-loss": 1.0, **ClassStatistics(means, np.array(counts)).to_metrics()}
     return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(parameters), int(sum(counts)), metrics)
 
 
@@ -143,17 +147,17 @@ def test_fedsc_strategy_builds_and_sends_its_prototypes_in_the_fit_config_only(t
     strategy = digits_strategy(FedSCStrategy, tmp_path, "fedsc")
     weights = strategy.initial_weights
     prototypes = [np.full((10, 512), v, np.float32) for v in (1.0, 3.0)]
-    a = fit_result(0, [10] * 10, weights, prototypes=prototypes[0])  # uniform labels: d = 0
-    b = fit_result(1, [100] + [0] * 9, [w * 3 for w in weights], prototypes=prototypes[1])  # one class: d = 0.67
-    bad = fit_result(2, [10] * 10, weights, prototypes=np.full((10, 512), np.nan, np.float32))
+    a = fit_result(0, [10] * 10, weights, prototypes[0])  # uniform labels: d = 0
+    b = fit_result(1, [100] + [0] * 9, [w * 3 for w in weights], prototypes[1])  # one class: d = 0.67
+    bad = fit_result(2, [10] * 10, weights, np.full((10, 512), np.nan, np.float32))
     parameters, metrics = strategy.aggregate_fit(1, [a, b, bad], [])
     assert metrics["accepted"] == 2 and "non-finite" in caplog.text
     sent = strategy.broadcast(2)
     # class 0 held by both (M = 2 merges them: 2.0 each), classes 1-9 by client 0 alone (1.0)
-    assert sent["relational-labels"].tolist() == list(range(10)) + [0]
-    np.testing.assert_allclose(sent["relational-prototypes"][:, 0], [2.0] + [1.0] * 9 + [2.0])
-    np.testing.assert_allclose(sent["consistent-prototypes"][:, 0], [2.0] + [1.0] * 9)
-    assert sent["consistent-mask"].all()
+    assert sent[RELATIONAL_LABELS].tolist() == list(range(10)) + [0]
+    np.testing.assert_allclose(sent[RELATIONAL_PROTOTYPES][:, 0], [2.0] + [1.0] * 9 + [2.0])
+    np.testing.assert_allclose(sent[CONSISTENT_PROTOTYPES][:, 0], [2.0] + [1.0] * 9)
+    assert sent[f"{CONSISTENT_PROTOTYPES}-mask"].all()
     record = strategy.recorder.rounds[1]
     d_share = np.array([0.0, 1.0])  # client b holds the whole discrepancy
     e = 1 / (1 + np.exp(-(np.array([100, 100]) / 200 - d_share)))
@@ -161,10 +165,10 @@ def test_fedsc_strategy_builds_and_sends_its_prototypes_in_the_fit_config_only(t
     # FedAvg by training size: (100 w + 100 * 3 w) / 200 = 2 w
     aggregated = np.load(io.BytesIO(parameters.tensors[0]))
     np.testing.assert_allclose(aggregated, 2 * weights[0], rtol=1e-6)
-    fit = strategy._configs(2, [0])[0]
-    assert "relational-prototypes" in fit
+    fit = strategy.round_configs(2, [0])[0]
+    assert RELATIONAL_PROTOTYPES in fit
     evaluate = strategy.configure_evaluate(2, parameters, None)
-    assert "relational-prototypes" not in evaluate[0][1].config
+    assert RELATIONAL_PROTOTYPES not in evaluate[0][1].config
 
 
 # --- FedSKC server ----------------------------------------------------------------------
@@ -209,13 +213,13 @@ def test_fedskc_strategy_reviews_trainable_parameters_from_round_two(tmp_path):
     assert strategy.trainable[0] and not strategy.trainable[statistic]
     knowledge = np.eye(10, dtype=np.float32)
     shifted = [w + 1 if w.dtype.kind == "f" else w for w in start]
-    updates = [fit_result(p, [10] * 10, shifted, knowledge=knowledge * (p + 1)) for p in range(2)]
+    updates = [fit_result(p, [10] * 10, shifted, knowledge * (p + 1)) for p in range(2)]
     parameters, _ = strategy.aggregate_fit(1, updates, [])
     first = [np.load(io.BytesIO(t)) for t in parameters.tensors]
     np.testing.assert_allclose(first[0], shifted[0], rtol=1e-6)  # round 1: GDA only (uniform), no GPR
     assert strategy.recorder.rounds[1]["gpr_ratio"] is None
     # round 2: the knowledge's variance doubles in scale (x2 values: x4 variance), so rho = 3
-    updates = [fit_result(p, [10] * 10, [w + 1 for w in first], knowledge=knowledge * 2 * (p + 1)) for p in range(2)]
+    updates = [fit_result(p, [10] * 10, [w + 1 for w in first], knowledge * 2 * (p + 1)) for p in range(2)]
     parameters, _ = strategy.aggregate_fit(2, updates, [])
     second = [np.load(io.BytesIO(t)) for t in parameters.tensors]
     assert strategy.recorder.rounds[2]["gpr_ratio"] == pytest.approx(3.0)
@@ -228,7 +232,7 @@ def test_fedskc_strategy_reviews_trainable_parameters_from_round_two(tmp_path):
 
 
 def digits_client(cls, method, partition_id=1, **options):
-    config = ExperimentConfig(method=method, local_epochs=1, options=options)
+    config = ExperimentSettings(method=method, local_epochs=1, options=options)
     data = load_client_data("digits", "", config.partition_spec(4), partition_id)
     return cls(config, data, build_method_model(config, data), 4, {})
 
@@ -238,16 +242,15 @@ def test_fedsc_client_trains_with_ce_only_in_round_one_then_adds_rpcl_and_cpdr()
     weights = [w.copy() for w in get_weights(client.model)]
     _, n, first = client.fit(weights, {"server-round": 1, "seed": 1})
     assert n == client.data.num_train and "rpcl-loss" not in first and "cpdr-loss" not in first
-    prototypes = np.load(io.BytesIO(first["prototypes"]))
+    prototypes = np.load(io.BytesIO(first[CLASS_MEANS]))
     features, _ = features_and_logits(client.model, client.data.train_x)  # post-eval: the trained model's
     np.testing.assert_allclose(prototypes, class_means(features, client.data.train_y, 10)[0], rtol=1e-5, atol=1e-6)
     held = client.data.class_counts() > 0
     config = {
         "server-round": 2, "seed": 2,
-        "relational-prototypes": encode_array(prototypes[held]),
-        "relational-labels": encode_array(np.flatnonzero(held).astype(np.int64)),
-        "consistent-prototypes": encode_array(prototypes),
-        "consistent-mask": encode_array(held),
+        RELATIONAL_PROTOTYPES: encode_array(prototypes[held]),
+        RELATIONAL_LABELS: encode_array(np.flatnonzero(held).astype(np.int64)),
+        **{k: encode_array(v) for k, v in ClassVectors(prototypes, held).to_config(CONSISTENT_PROTOTYPES).items()},
     }
     _, _, second = client.fit(weights, config)
     assert second["rpcl-loss"] > 0 and second["cpdr-loss"] > 0
@@ -271,14 +274,14 @@ def test_fedskc_client_uploads_silu_mean_logits_and_adds_lcl_with_knowledge():
     assert "lcl-loss" not in first
     _, logits = features_and_logits(client.model, client.data.train_x)
     means = class_means(logits, client.data.train_y, 10)[0]
-    knowledge = np.load(io.BytesIO(first["knowledge"]))
+    knowledge = np.load(io.BytesIO(first[CLASS_MEANS]))
     np.testing.assert_allclose(knowledge, means / (1 + np.exp(-means)), rtol=1e-5, atol=1e-6)  # c * sigmoid(c)
     raw = digits_client(FedSKCClient, "fedskc", silu=False)
-    np.testing.assert_allclose(np.load(io.BytesIO(raw.fit(weights, {"server-round": 1, "seed": 1})[2]["knowledge"])),
+    np.testing.assert_allclose(np.load(io.BytesIO(raw.fit(weights, {"server-round": 1, "seed": 1})[2][CLASS_MEANS])),
                                means, rtol=1e-5, atol=1e-6)
     mask = client.data.class_counts() > 0
-    config = {"server-round": 2, "seed": 2, "global-knowledge": encode_array(knowledge),
-              "global-knowledge-mask": encode_array(mask)}
+    arrays = ClassVectors(knowledge, mask).to_config(GLOBAL_KNOWLEDGE)
+    config = {"server-round": 2, "seed": 2, **{k: encode_array(v) for k, v in arrays.items()}}
     assert client.fit(weights, config)[2]["lcl-loss"] > 0
     assert "lcl-loss" not in digits_client(FedSKCClient, "fedskc", **{"use-lcl": False}).fit(weights, config)[2]
 
@@ -287,7 +290,7 @@ def test_last_epoch_prototypes_count_only_the_last_epochs_batches():
     assert steps_per_epoch(21, 10) == 2  # the trailing one-sample batch is skipped
     assert steps_per_epoch(22, 10) == 3
     client = digits_client(FedSCClient, "fedsc", **{"prototype-pass": "last-epoch"})
-    client.config = ExperimentConfig(method="fedsc", local_epochs=3, batch_size=10)
-    collector = client.prototype_collector("last-epoch")
+    client.settings = ExperimentSettings(method="fedsc", local_epochs=3, batch_size=10)
+    collector = client.prototype_collector()
     assert collector.skip == 2 * steps_per_epoch(client.data.num_train, 10)
-    assert client.prototype_collector("post-eval") is None
+    assert digits_client(FedSCClient, "fedsc").prototype_collector() is None  # post-eval

@@ -6,10 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from native import free_port
 from processes import kill_trees, pids_with_argument
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 
 def test_flwr_run_fedproto_two_rounds(tmp_path):

@@ -10,14 +10,15 @@ from flwr.server import ServerApp
 from flwr.simulation import run_simulation
 
 from protofl.client_app import make_client_fn
-from protofl.config import ExperimentConfig
+from protofl.federation.wire import CLASS_MEANS
 from protofl.report import ROUND_KEYS
 from protofl.server_app import make_server_fn
+from protofl.settings import ExperimentSettings
 
 # Ray ships the test's client_fn to its workers by value (tests/ is not importable there).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 def simulate(tmp_path, name, client_fn=None, num_supernodes=3, **overrides):
@@ -75,7 +76,7 @@ def _client_with_one_bad_payload(context):
 
         def fit(parameters, config):
             parameters, n, metrics = original_fit(parameters, config)
-            metrics["prototypes"] = b"\x80\x04not a numpy array"
+            metrics[CLASS_MEANS] = b"\x80\x04not a numpy array"
             return parameters, n, metrics
 
         numpy_client.fit = fit
@@ -96,7 +97,7 @@ def test_fednh_sends_prototypes_both_ways_and_reports_gm_pm_l_pm_v(tmp_path):
     from protofl.task.data import load_dataset
 
     parameter_bytes = sum(w.nbytes + 128 for w in build_method_model(
-        ExperimentConfig(method="fednh", model="fednh-cnn"), load_dataset("digits")).state_dict().values())
+        ExperimentSettings(method="fednh", model="fednh-cnn"), load_dataset("digits")).state_dict().values())
     prototype_bytes = 10 * 192 * 4 + 128
     for record in results["rounds"]:
         assert record["bytes_down"] == 3 * (parameter_bytes + prototype_bytes)  # body + W to each client
@@ -112,7 +113,7 @@ def test_fedcosr_shares_phi_and_prototypes_keeps_heads_and_mixes_from_round_2(tm
     from protofl.strategies import build_method_model
     from protofl.task.data import load_dataset
 
-    state = build_method_model(ExperimentConfig(method="fedcosr"), load_dataset("digits")).state_dict()
+    state = build_method_model(ExperimentSettings(method="fedcosr"), load_dataset("digits")).state_dict()
     phi_bytes = sum(v.numpy().nbytes + 128 for k, v in state.items() if not k.startswith("head."))
     prototype_bytes = 10 * 512 * 4 + 128
     first, *later = results["rounds"]

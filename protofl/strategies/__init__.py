@@ -1,14 +1,17 @@
 """Method registry: ``method`` in the run config -> (Strategy class, NumPyClient class).
 
-Each method lives whole in its own module, which defines ``STRATEGY`` and ``CLIENT``, and
-optionally ``prepare_model(model, config)`` when it changes the backbone (e.g. FedNH's head).
+Each method lives whole in its own module, which defines ``STRATEGY`` (a
+:class:`~protofl.federation.server.PrototypeStrategy`) and ``CLIENT`` (a
+:class:`~protofl.federation.client.PrototypeClient`), sharing one
+:class:`~protofl.settings.MethodOptions`, and optionally ``prepare_model(model, settings)`` when it
+changes the backbone (e.g. FedNH's head). docs/adding-a-method.md walks through one.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from protofl.config import ExperimentConfig
+from protofl.settings import ExperimentSettings
 from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model, client_architecture
 
@@ -28,7 +31,7 @@ def get_method(name: str):
 
 
 def build_method_model(
-    config: ExperimentConfig, dataset: Dataset | ClientData, architecture: str | None = None
+    settings: ExperimentSettings, dataset: Dataset | ClientData, architecture: str | None = None
 ) -> SplitModel:
     """The configured backbone with the method's changes; identical on the server and every client
     (a client takes the shapes from its own data).
@@ -37,7 +40,7 @@ def build_method_model(
     the server the first; ``architecture`` (a node's ``model`` node-config value) overrides both.
     """
     partition_id = dataset.partition_id if isinstance(dataset, ClientData) else 0
-    name = architecture or client_architecture(config.model, partition_id)
-    model = build_model(name, dataset.in_channels, dataset.num_classes, dataset.image_size, config.seed)
-    prepare = getattr(_module(config.method), "prepare_model", None)
-    return prepare(model, config) if prepare is not None else model
+    name = architecture or client_architecture(settings.model, partition_id)
+    model = build_model(name, dataset.in_channels, dataset.num_classes, dataset.image_size, settings.seed)
+    prepare = getattr(_module(settings.method), "prepare_model", None)
+    return prepare(model, settings) if prepare is not None else model

@@ -8,46 +8,41 @@ on each client's local test split (PFLlib's convention for global-model methods)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
 import numpy as np
 
-from protofl.strategies.base import (
-    ClientUpdate,
-    PrototypeClient,
-    PrototypeStrategy,
-    average_parameters,
-    get_weights,
-    set_weights,
-)
-from protofl.task.train import train
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters
+from protofl.settings import MethodOptions
+
+
+@dataclass(frozen=True)
+class FedAvgOptions(MethodOptions):
+    statistics: ClassVar[None] = None  # parameters only
+    weighted: bool = True  # by local training size; false: unweighted
+    personal_model: Literal["global", "local"] = "global"
 
 
 class FedAvgStrategy(PrototypeStrategy):
+    options_class = FedAvgOptions
+
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        return average_parameters(updates, bool(self.config.option("weighted", True)))
-
-
-PERSONAL_MODELS = ("global", "local")
+        return average_parameters(updates, self.options.weighted)
 
 
 class FedAvgClient(PrototypeClient):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        personal_model = self.config.option("personal-model", "global")
-        if personal_model not in PERSONAL_MODELS:
-            raise ValueError(f"fedavg.personal-model must be one of {PERSONAL_MODELS}, got {personal_model!r}")
-        self.keep_local_model = personal_model == "local"
+    options_class = FedAvgOptions
 
-    def fit(self, parameters, config):
-        set_weights(self.model, parameters)
-        loss = train(self.model, self.data.train_x, self.data.train_y, **self.train_kwargs(config))
-        if self.keep_local_model:
+    def after_fit(self, statistics):
+        if self.options.personal_model == "local":
             self.store_personal_model()
-        return get_weights(self.model), self.data.num_train, self.fit_metrics(loss)
+        return {}
 
-    def evaluate(self, parameters, config):
-        if not (self.keep_local_model and self.restore_personal_model()):
-            set_weights(self.model, parameters)
-        return self.evaluate_head()
+    def prepare_evaluation(self, parameters, config):
+        if not (self.options.personal_model == "local" and self.restore_personal_model()):
+            self.load_shared(parameters)
 
 
 STRATEGY, CLIENT = FedAvgStrategy, FedAvgClient

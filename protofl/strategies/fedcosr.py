@@ -31,56 +31,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import MetricRecord
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import (
-    ArraySpec,
-    ClientUpdate,
-    PayloadError,
-    PrototypeClient,
-    PrototypeStrategy,
-    aggregate_prototypes,
-    average_parameters,
-    check_class_counts,
-    check_loss_metrics,
-    mean_client_metrics,
-    prototype_broadcast,
-)
-from protofl.task.train import class_means, features_and_logits, train
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors, PayloadError
+from protofl.settings import MethodOptions
+from protofl.task.prototypes import aggregate_prototypes
+from protofl.task.train import features_and_logits, steps_per_epoch
 
-LOCAL_AGGREGATIONS = ("loss-wise", "fixed")
-TAU_LOSSES = ("last-epoch", "fresh-eval")
-EVALUATE_AT = ("after-fit", "after-aggregation")
+LOCAL_AGGREGATION_WEIGHT = "la-tau"  # tau of Eq. 7, reported by each client
+CONTRASTIVE_LOSS = "contrastive-loss"  # L_Reg: the last local epoch's mean InfoNCE
+CE_LOSS = "ce-loss"  # L_Per: the cross-entropy, averaged over the batches
+LOSS_KEYS = (CE_LOSS, CONTRASTIVE_LOSS)
 
 
 @dataclass(frozen=True)
-class FedCoSROptions:
+class FedCoSROptions(MethodOptions):
     contrastive_weight: float = 1.0  # alpha (Eq. 14), not in the paper
     temperature: float = 0.1  # tau_CL (Eq. 13), not in the paper
     gamma: float = 1.0  # Eq. 7, not in the paper
-    local_aggregation: str = "loss-wise"
+    local_aggregation: Literal["loss-wise", "fixed"] = "loss-wise"
     fixed_tau: float = 0.0
-    tau_loss: str = "last-epoch"
+    tau_loss: Literal["last-epoch", "fresh-eval"] = "last-epoch"
     negatives: bool = True
     share_head: bool = False
     keep_missing_prototypes: bool = True
-    evaluate_at: str = "after-fit"
+    evaluate_at: Literal["after-fit", "after-aggregation"] = "after-fit"
 
-    @classmethod
-    def from_config(cls, config: ExperimentConfig) -> "FedCoSROptions":
-        options = config.options_as(
-            cls, {"local_aggregation": LOCAL_AGGREGATIONS, "tau_loss": TAU_LOSSES, "evaluate_at": EVALUATE_AT}
-        )
-        if options.contrastive_weight < 0 or options.temperature <= 0 or options.gamma <= 0:
+    def check(self) -> None:
+        if self.contrastive_weight < 0 or self.temperature <= 0 or self.gamma <= 0:
             raise ValueError("fedcosr: contrastive-weight must be >= 0, temperature and gamma > 0")
-        if not 0.0 <= options.fixed_tau <= 1.0:
-            raise ValueError(f"fedcosr.fixed-tau must be in [0, 1], got {options.fixed_tau}")
-        return options
+        if not 0.0 <= self.fixed_tau <= 1.0:
+            raise ValueError(f"fedcosr.fixed-tau must be in [0, 1], got {self.fixed_tau}")
+
+    def shares(self, name: str) -> bool:
+        """phi (the body), plus the head with ``share-head``."""
+        return self.share_head or not name.startswith("head.")
 
 
 # --- math -------------------------------------------------------------------------------
@@ -99,7 +91,7 @@ def mix_weights(local: list[np.ndarray], global_: list[np.ndarray], tau: float) 
     ]
 
 
-def prototype_info_nce(
+def sample_infonce_losses(
     features: torch.Tensor,
     labels: torch.Tensor,
     prototypes: torch.Tensor,
@@ -121,100 +113,50 @@ def prototype_info_nce(
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def shared_names(model: torch.nn.Module, share_head: bool) -> list[str]:
-    """The model entries exchanged with the server: phi (the body), plus the head with ``share-head``."""
-    return [name for name in model.state_dict() if share_head or not name.startswith("head.")]
-
-
-def batches_per_epoch(num_samples: int, batch_size: int) -> int:
-    """Steps :func:`protofl.task.train.train` takes per epoch (it skips a trailing 1-sample batch)."""
-    full, rest = divmod(num_samples, batch_size)
-    return full + (1 if rest > 1 or num_samples == 1 else 0)
-
-
 # --- server -----------------------------------------------------------------------------
 
 
 class FedCoSRStrategy(PrototypeStrategy):
+    options_class = FedCoSROptions
+    loss_metrics = LOSS_KEYS
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.options = FedCoSROptions.from_config(self.config)
-        shared = set(shared_names(self.model, self.options.share_head))
-        self.shared_indices = [i for i, name in enumerate(self.model.state_dict()) if name in shared]
-        self.prototypes: np.ndarray | None = None
-        self.prototype_mask: np.ndarray | None = None
-
-    @property
-    def has_global_model(self) -> bool:
-        return self.options.share_head
-
-    def shared_weights(self) -> list[np.ndarray]:
-        """phi (and pi with ``share-head``): clients build the same seeded initial head."""
-        return [self.initial_weights[i] for i in self.shared_indices]
-
-    def upload_spec(self) -> dict[str, ArraySpec]:
-        return self.class_statistics_spec("prototypes")
+        self.prototypes: ClassVectors | None = None
 
     def check_update(self, update: ClientUpdate) -> None:
-        check_class_counts(update)
-        tau = update.metrics.get("la-tau")
+        tau = update.metrics.get(LOCAL_AGGREGATION_WEIGHT)
         if not isinstance(tau, float) or not 0.0 <= tau <= 1.0:
             raise PayloadError(f"la-tau must be a float in [0, 1], got {tau!r}")
-        check_loss_metrics(update, ("contrastive-loss", "ce-loss"))
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return prototype_broadcast(self.prototypes, self.prototype_mask)
+        return self.prototypes.to_config(GLOBAL_PROTOTYPES) if self.prototypes else {}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        prototypes, mask = aggregate_prototypes(  # Eq. 6
-            np.stack([u.payload["prototypes"] for u in updates]),
-            np.stack([u.payload["class-counts"] for u in updates]),
-            "count",
-        )
+        prototypes, mask = aggregate_prototypes(*stacked_statistics(updates), "count")  # Eq. 6
         if self.options.keep_missing_prototypes and self.prototypes is not None:
-            kept = ~mask & self.prototype_mask
-            prototypes[kept], mask = self.prototypes[kept], mask | self.prototype_mask
-        self.prototypes, self.prototype_mask = prototypes, mask
-        self._record_client_stats(server_round, updates)
+            kept = ~mask & self.prototypes.mask
+            prototypes[kept], mask = self.prototypes.vectors[kept], mask | self.prototypes.mask
+        self.prototypes = ClassVectors(prototypes, mask)
+        taus = [u.metrics[LOCAL_AGGREGATION_WEIGHT] for u in updates]  # tau across clients
+        self.recorder.update(server_round, la_tau_mean=float(np.mean(taus)), la_tau_min=min(taus), la_tau_max=max(taus))
         return average_parameters(updates)  # Eq. 5
-
-    def _record_client_stats(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """tau across clients, and the sample-weighted L_Per and L_Reg of this round."""
-        taus = [u.metrics["la-tau"] for u in updates]
-        fields = {"la_tau_mean": float(np.mean(taus)), "la_tau_min": min(taus), "la_tau_max": max(taus)}
-        self.recorder.update(server_round, **fields, **mean_client_metrics(updates, ("ce-loss", "contrastive-loss")))
 
 
 # --- client -----------------------------------------------------------------------------
 
 
 class FedCoSRClient(PrototypeClient):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.options = FedCoSROptions.from_config(self.config)
-        self.shared_names = shared_names(self.model, self.options.share_head)
-
-    def _shared_arrays(self) -> list[np.ndarray]:
-        state = self.model.state_dict()
-        return [state[name].detach().cpu().numpy() for name in self.shared_names]
-
-    def _load_shared(self, arrays: list[np.ndarray]) -> None:
-        if len(arrays) != len(self.shared_names):
-            raise ValueError(f"FedCoSR: got {len(arrays)} shared arrays, the model shares {len(self.shared_names)}")
-        state = self.model.state_dict()
-        self.model.load_state_dict(
-            {name: torch.as_tensor(a, dtype=state[name].dtype) for name, a in zip(self.shared_names, arrays)},
-            strict=False,
-        )
+    options_class = FedCoSROptions
 
     def _info_nce(self, features, labels, prototypes) -> torch.Tensor:
         o = self.options
-        return prototype_info_nce(features, labels, *prototypes, o.temperature, o.negatives)
+        return sample_infonce_losses(features, labels, *prototypes, o.temperature, o.negatives)
 
     def _last_contrastive_loss(self, prototypes) -> float | None:
         """L_Reg for tau: the last local epoch's mean, else an eval pass against ``prototypes``."""
         if self.options.tau_loss == "last-epoch" and "fedcosr" in self.state:
-            return float(self.state["fedcosr"]["contrastive-loss"])
+            return float(self.state["fedcosr"][CONTRASTIVE_LOSS])
         if prototypes is None:
             return None
         features, _ = features_and_logits(self.model, self.data.train_x)
@@ -226,56 +168,50 @@ class FedCoSRClient(PrototypeClient):
 
         A client without a model of its own takes the global phi on the seeded initial head."""
         if not self.restore_personal_model():
-            self._load_shared(global_phi)
+            self.load_shared(global_phi)
             return 0.0
         if self.options.local_aggregation == "fixed":
             tau = self.options.fixed_tau
         else:
             loss = self._last_contrastive_loss(prototypes)
             tau = 0.0 if loss is None else mixing_weight(loss, self.options.gamma)  # Eq. 7
-        self._load_shared(mix_weights(self._shared_arrays(), global_phi, tau))
+        self.load_shared(mix_weights(self.shared_arrays(), global_phi, tau))
         return tau
 
-    def fit(self, parameters, config):
-        prototypes = self.global_prototypes(config)
-        tau = self._local_aggregation(parameters, prototypes)
+    def receive(self, parameters, config):
+        self.prototypes = self.global_prototypes(config)
+        self.tau = self._local_aggregation(parameters, self.prototypes)
+        self.contrastive_sums: list[torch.Tensor] = []
+        self.contrastive_counts: list[int] = []
+
+    def batch_loss(self, features, logits, labels):  # alpha * L_Reg (Eq. 13-14)
+        if self.prototypes is None:
+            return None  # the first round: CE only
         weight = self.options.contrastive_weight
-        contrastive_sums, contrastive_counts, ce_losses = [], [], []
+        self.record_loss(**{CE_LOSS: F.cross_entropy(logits.detach(), labels)})
+        with torch.set_grad_enabled(weight > 0):
+            losses = self._info_nce(features, labels, self.prototypes)
+        self.contrastive_sums.append(losses.detach().sum())
+        self.contrastive_counts.append(len(losses))
+        return weight * losses.mean() if weight > 0 and len(losses) else features.new_zeros(())
 
-        def contrastive_term(features, logits, labels):  # alpha * L_Reg (Eq. 13-14)
-            ce_losses.append(F.cross_entropy(logits.detach(), labels))
-            with torch.set_grad_enabled(weight > 0):
-                losses = self._info_nce(features, labels, prototypes)
-            contrastive_sums.append(losses.detach().sum())
-            contrastive_counts.append(len(losses))
-            return weight * losses.mean() if weight > 0 and len(losses) else features.new_zeros(())
-
-        kwargs = self.train_kwargs(config)
-        loss = train(
-            self.model, self.data.train_x, self.data.train_y,
-            extra_loss=contrastive_term if prototypes is not None else None, **kwargs,
-        )
-        metrics = {"la-tau": float(tau)}
-        if prototypes is not None:
-            last = batches_per_epoch(self.data.num_train, kwargs["batch_size"])
-            counted = sum(contrastive_counts[-last:])
-            if counted:
-                l_reg = float(torch.stack(contrastive_sums[-last:]).sum()) / counted
-                self.state["fedcosr"] = MetricRecord({"contrastive-loss": l_reg})
-                metrics["contrastive-loss"] = l_reg
-            metrics["ce-loss"] = float(torch.stack(ce_losses).mean())
-        features, _ = features_and_logits(self.model, self.data.train_x)
-        means, counts = class_means(features, self.data.train_y, self.data.num_classes)  # Eq. 3-4
+    def after_fit(self, statistics):
+        """tau, L_Reg of the last local epoch (kept for the next tau); the model stays here."""
+        metrics = {LOCAL_AGGREGATION_WEIGHT: float(self.tau)}
+        last = steps_per_epoch(self.data.num_train, self.settings.batch_size)
+        counted = sum(self.contrastive_counts[-last:])
+        if counted:
+            l_reg = float(torch.stack(self.contrastive_sums[-last:]).sum()) / counted
+            self.state["fedcosr"] = MetricRecord({CONTRASTIVE_LOSS: l_reg})
+            metrics[CONTRASTIVE_LOSS] = l_reg
         self.store_personal_model()
-        fit_metrics = self.fit_metrics(loss, prototypes=means, **{"class-counts": counts})
-        return self._shared_arrays(), self.data.num_train, fit_metrics | metrics
+        return metrics
 
-    def evaluate(self, parameters, config):
+    def prepare_evaluation(self, parameters, config):
         """PM: the client's own model after its last local training (``after-fit``), or the model
         it would start the next round from (``after-aggregation``, PFLlib's point)."""
         if self.options.evaluate_at == "after-aggregation" or not self.restore_personal_model():
             self._local_aggregation(parameters, self.global_prototypes(config))
-        return self.evaluate_head()
 
 
 STRATEGY, CLIENT = FedCoSRStrategy, FedCoSRClient

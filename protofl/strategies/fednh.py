@@ -23,48 +23,36 @@ Scale s: fixed (paper, s = 30) or learnable, trained by the clients and averaged
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import (
-    ArraySpec,
-    ClientUpdate,
-    PayloadError,
-    PrototypeClient,
-    PrototypeStrategy,
-    average_parameters,
-    check_class_counts,
-    get_weights,
-    set_weights,
-)
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.wire import PayloadError
+from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import SplitModel
-from protofl.task.train import class_means, features_and_logits, train
 
-PROTOTYPE_INITS = ("simplex", "orthogonal")
-PROTOTYPE_MEANS = ("normalized", "raw")
+PROTOTYPES = "prototypes"  # W, C x d unit rows, broadcast in the fit and evaluate config
 
 
 @dataclass(frozen=True)
-class FedNHOptions:
+class FedNHOptions(MethodOptions):
     rho: float = 0.9
-    prototype_init: str = "simplex"
-    prototype_means: str = "normalized"
+    prototype_init: Literal["simplex", "orthogonal"] = "simplex"
+    prototype_means: Literal["normalized", "raw"] = "normalized"
     scale: float = 30.0
     learnable_scale: bool = False
     weighted: bool = False
 
-    @classmethod
-    def from_config(cls, config: ExperimentConfig) -> "FedNHOptions":
-        options = config.options_as(cls, {"prototype_init": PROTOTYPE_INITS, "prototype_means": PROTOTYPE_MEANS})
-        if not 0.0 <= options.rho <= 1.0:
-            raise ValueError(f"fednh.rho must be in [0, 1], got {options.rho}")
-        if options.scale <= 0:
-            raise ValueError(f"fednh.scale must be > 0, got {options.scale}")
-        return options
+    def check(self) -> None:
+        if not 0.0 <= self.rho <= 1.0:
+            raise ValueError(f"fednh.rho must be in [0, 1], got {self.rho}")
+        if self.scale <= 0:
+            raise ValueError(f"fednh.scale must be > 0, got {self.scale}")
 
 
 # --- math -------------------------------------------------------------------------------
@@ -143,11 +131,11 @@ class CosineHead(nn.Module):
         return self.scale * F.normalize(features, dim=1) @ self.prototypes.t()
 
 
-def prepare_model(model: SplitModel, config: ExperimentConfig) -> SplitModel:
+def prepare_model(model: SplitModel, settings: ExperimentSettings) -> SplitModel:
     """Replace the backbone's linear head by the cosine head on the initial prototypes W^0."""
-    options = FedNHOptions.from_config(config)
+    options = FedNHOptions.from_settings(settings)
     init = simplex_prototypes if options.prototype_init == "simplex" else orthogonal_prototypes
-    prototypes = init(model.head.out_features, model.feature_dim, config.seed)
+    prototypes = init(model.head.out_features, model.feature_dim, settings.seed)
     model.head = CosineHead(torch.from_numpy(prototypes), options.scale, options.learnable_scale)
     return model
 
@@ -156,34 +144,24 @@ def prepare_model(model: SplitModel, config: ExperimentConfig) -> SplitModel:
 
 
 class FedNHStrategy(PrototypeStrategy):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.options = FedNHOptions.from_config(self.config)
+    options_class = FedNHOptions
 
     @property
     def prototypes(self) -> np.ndarray:
         """W^t: the GM's head holds the only copy."""
         return self.model.head.prototypes.cpu().numpy()
 
-    def upload_spec(self) -> dict[str, ArraySpec]:
-        return self.class_statistics_spec("class-means")
-
     def check_update(self, update: ClientUpdate) -> None:
-        check_class_counts(update)
-        if (np.linalg.norm(update.payload["class-means"], axis=1) > 1.0 + 1e-3).any():
+        if (np.linalg.norm(update.statistics.means, axis=1) > 1.0 + 1e-3).any():
             raise PayloadError("a class mean of unit features has a norm above 1")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return {"prototypes": self.prototypes}
+        return {PROTOTYPES: self.prototypes}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        updated = update_prototypes(  # Eq. 4
-            self.prototypes,
-            np.stack([u.payload["class-means"] for u in updates]),
-            np.stack([u.payload["class-counts"] for u in updates]),
-            self.options.rho,
-            self.options.prototype_means == "normalized",
-        )
+        means, counts = stacked_statistics(updates)
+        normalize_means = self.options.prototype_means == "normalized"
+        updated = update_prototypes(self.prototypes, means, counts, self.options.rho, normalize_means)  # Eq. 4
         self.model.head.prototypes.copy_(torch.from_numpy(updated))
         return average_parameters(updates, self.options.weighted)  # Alg. 1 line 9
 
@@ -192,29 +170,27 @@ class FedNHStrategy(PrototypeStrategy):
 
 
 class FedNHClient(PrototypeClient):
-    def _use_prototypes(self, config) -> None:
-        prototypes = self.received_class_vectors(config, "prototypes")
+    options_class = FedNHOptions
+
+    def receive(self, parameters, config):
+        self.load_shared(parameters)
+        prototypes = self.received_class_vectors(config, PROTOTYPES)
         if prototypes is None:
             raise ValueError("FedNH: the server sent no prototypes")
         self.model.head.prototypes.copy_(torch.from_numpy(prototypes))
 
-    def fit(self, parameters, config):
-        set_weights(self.model, parameters)
-        self._use_prototypes(config)
-        loss = train(self.model, self.data.train_x, self.data.train_y, **self.train_kwargs(config))  # Eq. 2
-        features, _ = features_and_logits(self.model, self.data.train_x)
-        means, counts = class_means(F.normalize(features, dim=1), self.data.train_y, self.data.num_classes)  # Eq. 3
-        self.store_personal_model()
-        metrics = self.fit_metrics(loss, **{"class-means": means, "class-counts": counts})
-        return get_weights(self.model), self.data.num_train, metrics
+    def prototype_vectors(self, features, logits):
+        return F.normalize(features, dim=1)  # Eq. 3: class means of the normalised features
 
-    def evaluate(self, parameters, config):
+    def after_fit(self, statistics):
+        self.store_personal_model()
+        return {}
+
+    def prepare_evaluation(self, parameters, config):
         """PM: the model right after this client's last local training; the global model (with
         the broadcast prototypes) on a client that has not trained yet."""
         if not self.restore_personal_model():
-            set_weights(self.model, parameters)
-            self._use_prototypes(config)
-        return self.evaluate_head()
+            self.receive(parameters, config)
 
 
 STRATEGY, CLIENT = FedNHStrategy, FedNHClient

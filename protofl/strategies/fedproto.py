@@ -17,29 +17,30 @@ classifier head; both are logged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 import torch
 
-from protofl.strategies.base import (
-    PROTOTYPE_PASSES,
-    PROTOTYPE_WEIGHTINGS,
-    ArraySpec,
-    ClientUpdate,
-    PrototypeClient,
-    PrototypeStrategy,
-    aggregate_prototypes,
-    average_parameters,
-    get_weights,
-    prototype_broadcast,
-    set_weights,
-)
-from protofl.task.train import (
-    head_prediction,
-    nearest_prototype,
-    train,
-)
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
+from protofl.settings import MethodOptions
+from protofl.task.prototypes import PrototypeWeighting, aggregate_prototypes
+from protofl.task.train import PrototypePass, head_prediction, nearest_prototype
 
-INFERENCES = ("prototype", "head")
+
+@dataclass(frozen=True)
+class FedProtoOptions(MethodOptions):
+    lambda_: float = 1.0  # weight of the prototype MSE term (key "lambda")
+    weighting: PrototypeWeighting = "count"
+    average_parameters: bool = False
+    inference: Literal["prototype", "head"] = "prototype"
+    prototype_pass: PrototypePass = "post-eval"
+
+    def shares(self, name: str) -> bool:
+        return self.average_parameters
 
 
 def prototype_loss(
@@ -54,86 +55,45 @@ def prototype_loss(
 
 
 class FedProtoStrategy(PrototypeStrategy):
+    options_class = FedProtoOptions
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.weighting = str(self.config.option("weighting", "count"))
-        if self.weighting not in PROTOTYPE_WEIGHTINGS:
-            raise ValueError(f"fedproto.weighting must be one of {PROTOTYPE_WEIGHTINGS}, got {self.weighting!r}")
-        self.global_prototypes: np.ndarray | None = None
-        self.prototype_mask: np.ndarray | None = None
-
-    @property
-    def has_global_model(self) -> bool:
-        return bool(self.config.option("average-parameters", False))
-
-    def upload_spec(self) -> dict[str, ArraySpec]:
-        return self.class_statistics_spec("prototypes")
+        self.global_prototypes: ClassVectors | None = None
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return prototype_broadcast(self.global_prototypes, self.prototype_mask)
+        return self.global_prototypes.to_config(GLOBAL_PROTOTYPES) if self.global_prototypes else {}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
-        self.global_prototypes, self.prototype_mask = aggregate_prototypes(
-            np.stack([u.payload["prototypes"] for u in updates]),
-            np.stack([u.payload["class-counts"] for u in updates]),
-            self.weighting,
-        )
-        if not self.has_global_model:
-            return None
-        return average_parameters(updates)
+        prototypes, mask = aggregate_prototypes(*stacked_statistics(updates), self.options.weighting)  # Eq. 5
+        self.global_prototypes = ClassVectors(prototypes, mask)
+        return average_parameters(updates) if self.has_global_model else None
 
 
 class FedProtoClient(PrototypeClient):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.lam = float(self.config.option("lambda", 1.0))
-        self.average_parameters = bool(self.config.option("average-parameters", False))
-        self.inference = str(self.config.option("inference", "prototype"))
-        if self.inference not in INFERENCES:
-            raise ValueError(f"fedproto.inference must be one of {INFERENCES}, got {self.inference!r}")
-        self.prototype_pass = str(self.config.option("prototype-pass", "post-eval"))
-        if self.prototype_pass not in PROTOTYPE_PASSES:
-            raise ValueError(f"fedproto.prototype-pass must be one of {PROTOTYPE_PASSES}, got {self.prototype_pass!r}")
+    options_class = FedProtoOptions
 
-    def _load_model(self, parameters) -> None:
-        if self.average_parameters:
-            set_weights(self.model, parameters)
-        else:
+    def receive(self, parameters, config):
+        if not self.options.average_parameters:
             self.restore_personal_model()
+        self.load_shared(parameters)
+        self.received_prototypes = self.global_prototypes(config)
 
-    def fit(self, parameters, config):
-        self._load_model(parameters)
-        received = self.global_prototypes(config)
-        use_prototypes = received is not None and self.lam > 0
-        seen = self.prototype_collector(self.prototype_pass)
+    def batch_loss(self, features, logits, labels):
+        if self.received_prototypes is None or self.options.lambda_ <= 0:
+            return None
+        return self.options.lambda_ * prototype_loss(features, labels, *self.received_prototypes)
 
-        def extra_loss(features, _logits, labels):
-            if seen is not None:
-                seen.add(features, labels)
-            if not use_prototypes:
-                return features.new_zeros(())
-            return self.lam * prototype_loss(features, labels, *received)
-
-        loss = train(
-            self.model, self.data.train_x, self.data.train_y,
-            extra_loss=extra_loss if use_prototypes or seen is not None else None, **self.train_kwargs(config),
-        )
-        prototypes = self.local_prototypes(seen)
-        counts = self.data.class_counts()
-        if not self.average_parameters:
+    def after_fit(self, statistics):
+        if not self.options.average_parameters:
             self.store_personal_model()
-        parameters_out = get_weights(self.model) if self.average_parameters else []
-        return parameters_out, self.data.num_train, self.fit_metrics(
-            loss, prototypes=prototypes, **{"class-counts": counts}
-        )
+        return {}
 
-    def evaluate(self, parameters, config):
-        self._load_model(parameters)
+    def predictors(self):
         predictors = {"head": head_prediction}
-        received = self.global_prototypes(config)
-        if received is not None:
-            predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *received)
-        return self.evaluate_predictors(predictors, self.inference if self.inference in predictors else "head")
+        if self.received_prototypes is not None:
+            predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *self.received_prototypes)
+        return predictors
 
 
 STRATEGY, CLIENT = FedProtoStrategy, FedProtoClient

@@ -28,6 +28,7 @@ Evaluation on the local test split with three predictors, all logged: nearest gl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -35,64 +36,45 @@ import torch.nn.functional as F
 from flwr.app import MetricRecord
 from torch import nn
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import (
-    PROTOTYPE_PASSES,
-    ArraySpec,
-    ClientUpdate,
-    PrototypeClient,
-    PrototypeStrategy,
-    aggregate_prototypes,
-    check_class_counts,
-    check_loss_metrics,
-    mean_client_metrics,
-    prototype_broadcast,
-)
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
+from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import MODEL_FAMILIES
-from protofl.task.train import (
-    head_prediction,
-    nearest_prototype,
-    train,
-)
+from protofl.task.prototypes import aggregate_prototypes
+from protofl.task.train import PrototypePass, head_prediction, nearest_prototype
 
-ANCHOR_INITS = ("projected", "random")
+ANCHORS = "anchors"  # A, C x D, broadcast in the fit and evaluate config
 PROTO_AGGS = {"mean": "uniform", "weighted": "count"}  # -> aggregate_prototypes' weighting
-INFERENCES = ("prototype", "anchor", "head")
-LOSS_FORMS = ("sample", "prototype")
-LOSS_KEYS = ("regularization-loss", "contrastive-loss", "calibration-loss")
+LOSS_KEYS = ("regularization-loss", "margin-contrastive-loss", "calibration-loss")  # L_R, L_MCL, L_CC
 
 
 @dataclass(frozen=True)
-class FedSAOptions:
+class FedSAOptions(MethodOptions):
     lambda_r: float = 10.0  # lambda_1; the paper writes 0.1, every official script runs 10 with this MSE form
-    lambda_mcl: float | str = "auto"  # lambda_2: "auto" = 0.01 for one architecture, 1.0 for a model family
+    lambda_mcl: float | Literal["auto"] = "auto"  # lambda_2: "auto" = 0.01 for one architecture, 1.0 for a family
     lambda_cc: float = 1.0  # lambda_3
     ema: float = 0.9999  # alpha of Eq. 10; 1 keeps the anchors fixed
-    anchor_init: str = "projected"
-    proto_agg: str = "mean"
-    prototype_pass: str = "during-train"
-    inference: str = "prototype"
-    loss_form: str = "sample"
-    margin: str = "nearest"
+    anchor_init: Literal["projected", "random"] = "projected"
+    proto_agg: Literal["mean", "weighted"] = "mean"
+    prototype_pass: PrototypePass = "during-train"
+    inference: Literal["prototype", "anchor", "head"] = "prototype"
+    loss_form: Literal["sample", "prototype"] = "sample"
+    margin: Literal["nearest", "pairwise"] = "nearest"
 
-    @classmethod
-    def from_config(cls, config: ExperimentConfig) -> "FedSAOptions":
-        options = config.options_as(cls, {
-            "anchor_init": ANCHOR_INITS, "proto_agg": tuple(PROTO_AGGS), "prototype_pass": PROTOTYPE_PASSES,
-            "inference": INFERENCES, "loss_form": LOSS_FORMS, "margin": tuple(MARGINS),
-        })
-        if isinstance(options.lambda_mcl, str) and options.lambda_mcl != "auto":
-            raise ValueError(f"fedsa.lambda-mcl must be a number or 'auto', got {options.lambda_mcl!r}")
-        if min(options.lambda_r, options.lambda_cc, options.mcl_weight(config)) < 0:
+    def check(self) -> None:
+        if min(self.lambda_r, self.lambda_cc, 0.0 if self.lambda_mcl == "auto" else self.lambda_mcl) < 0:
             raise ValueError("fedsa: the loss weights must be >= 0")
-        if not 0.0 < options.ema <= 1.0:
-            raise ValueError(f"fedsa.ema must be in (0, 1], got {options.ema}")
-        return options
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"fedsa.ema must be in (0, 1], got {self.ema}")
 
-    def mcl_weight(self, config: ExperimentConfig) -> float:
+    def shares(self, name: str) -> bool:
+        return False  # prototypes only: every client may run its own architecture
+
+    def mcl_weight(self, settings: ExperimentSettings) -> float:
         """lambda_2: the paper's 0.01 under statistical heterogeneity only, 1.0 with a model family."""
         if self.lambda_mcl == "auto":
-            return 1.0 if config.model in MODEL_FAMILIES else 0.01
+            return 1.0 if settings.model in MODEL_FAMILIES else 0.01
         return float(self.lambda_mcl)
 
 
@@ -174,42 +156,33 @@ def anchor_calibration_loss(head: nn.Module, anchors: torch.Tensor) -> torch.Ten
 
 
 class FedSAStrategy(PrototypeStrategy):
-    has_global_model = False
+    options_class = FedSAOptions
+    loss_metrics = LOSS_KEYS
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.options = FedSAOptions.from_config(self.config)
         self.initial_anchors = initial_anchors(
-            self.num_classes, self.feature_dim, self.config.seed, self.options.anchor_init == "projected"
+            self.num_classes, self.feature_dim, self.settings.seed, self.options.anchor_init == "projected"
         )
         self.anchors = self.initial_anchors
-        self.global_prototypes: np.ndarray | None = None
-        self.prototype_mask: np.ndarray | None = None
-
-    def upload_spec(self) -> dict[str, ArraySpec]:
-        return self.class_statistics_spec("prototypes")
-
-    def check_update(self, update: ClientUpdate) -> None:
-        check_class_counts(update)
-        check_loss_metrics(update, LOSS_KEYS)
+        self.global_prototypes: ClassVectors | None = None
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return {"anchors": self.anchors, **prototype_broadcast(self.global_prototypes, self.prototype_mask)}
+        prototypes = self.global_prototypes.to_config(GLOBAL_PROTOTYPES) if self.global_prototypes else {}
+        return {ANCHORS: self.anchors, **prototypes}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        self.global_prototypes, self.prototype_mask = aggregate_prototypes(  # Eq. 3 as the code
-            np.stack([u.payload["prototypes"] for u in updates]),
-            np.stack([u.payload["class-counts"] for u in updates]),
-            PROTO_AGGS[self.options.proto_agg],
+        prototypes, mask = aggregate_prototypes(  # Eq. 3 as the code
+            *stacked_statistics(updates), PROTO_AGGS[self.options.proto_agg]
         )
-        self.anchors = ema_update(self.anchors, self.global_prototypes, self.prototype_mask, self.options.ema)
+        self.global_prototypes = ClassVectors(prototypes, mask)
+        self.anchors = ema_update(self.anchors, prototypes, mask, self.options.ema)
         drift = np.linalg.norm(self.anchors - self.initial_anchors) / np.linalg.norm(self.initial_anchors)
         self.recorder.update(
             server_round,
             anchor_margin=nearest_neighbour_margin(torch.from_numpy(self.anchors)),
-            prototype_margin=nearest_neighbour_margin(torch.from_numpy(self.global_prototypes[self.prototype_mask])),
+            prototype_margin=nearest_neighbour_margin(torch.from_numpy(prototypes[mask])),
             anchor_drift=float(drift),
-            **mean_client_metrics(updates, LOSS_KEYS),
         )
 
 
@@ -217,16 +190,20 @@ class FedSAStrategy(PrototypeStrategy):
 
 
 class FedSAClient(PrototypeClient):
+    options_class = FedSAOptions
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.options = FedSAOptions.from_config(self.config)
-        self.lambda_mcl = self.options.mcl_weight(self.config)
+        self.lambda_mcl = self.options.mcl_weight(self.settings)
 
-    def _anchors(self, config) -> torch.Tensor:
-        anchors = self.received_class_vectors(config, "anchors")
+    def receive(self, parameters, config):
+        self.restore_personal_model()
+        anchors = self.received_class_vectors(config, ANCHORS)
         if anchors is None:
             raise ValueError("FedSA: the server sent no anchors")
-        return torch.from_numpy(anchors).to(self.device)
+        self.anchors = torch.from_numpy(anchors).to(self.device)
+        self.margin = self._margin(self.anchors)
+        self.received_prototypes = self.global_prototypes(config)
 
     def _margin(self, anchors: torch.Tensor) -> float:
         """d* = max(global anchor margin, this client's margin of its last uploaded prototypes)."""
@@ -243,57 +220,35 @@ class FedSAClient(PrototypeClient):
         classes, means = batch_class_means(features, labels)
         return (means - anchors[classes]).norm(dim=1).sum(), margin_contrastive_loss(means, classes, anchors, margin)
 
-    def fit(self, parameters, config):
-        self.restore_personal_model()
-        anchors = self._anchors(config)
-        margin = self._margin(anchors)
-        seen = self.prototype_collector(self.options.prototype_pass)
-        parts: dict[str, list[torch.Tensor]] = {key: [] for key in LOSS_KEYS}
-
-        def anchor_losses(features, logits, labels):
-            if seen is not None:
-                seen.add(features, labels)  # Eq. 2 over the training-mode features
-            regularization, contrastive = self._regularization_and_contrastive(features, labels, anchors, margin)
-            terms = {
-                "regularization-loss": regularization,
-                "contrastive-loss": contrastive,
-                "calibration-loss": anchor_calibration_loss(self.model.head, anchors),
-            }
-            for key, value in terms.items():
-                parts[key].append(value.detach())
-            return (
-                self.options.lambda_r * terms["regularization-loss"]
-                + self.lambda_mcl * terms["contrastive-loss"]
-                + self.options.lambda_cc * terms["calibration-loss"]
-            )
-
-        loss = train(
-            self.model, self.data.train_x, self.data.train_y, extra_loss=anchor_losses, **self.train_kwargs(config)
+    def batch_loss(self, features, logits, labels):
+        regularization, contrastive = self._regularization_and_contrastive(features, labels, self.anchors, self.margin)
+        calibration = anchor_calibration_loss(self.model.head, self.anchors)
+        self.record_loss(**dict(zip(LOSS_KEYS, (regularization, contrastive, calibration))))
+        return (
+            self.options.lambda_r * regularization
+            + self.lambda_mcl * contrastive
+            + self.options.lambda_cc * calibration
         )
-        prototypes = self.local_prototypes(seen)
-        counts = self.data.class_counts()
-        own_margin = MARGINS[self.options.margin](torch.from_numpy(prototypes[counts > 0]))
+
+    def after_fit(self, statistics):
+        """Keeps the model and the margin of the uploaded prototypes (Eq. 2, training-mode features)."""
+        own_margin = MARGINS[self.options.margin](torch.from_numpy(statistics.means[statistics.counts > 0]))
         if own_margin is None:
             self.state.pop("fedsa", None)  # one class: no margin of its own (the code's -inf)
         else:
             self.state["fedsa"] = MetricRecord({"prototype-margin": own_margin})
         self.store_personal_model()
-        metrics = {key: float(torch.stack(values).mean()) for key, values in parts.items() if values}
-        fit_metrics = self.fit_metrics(loss, prototypes=prototypes, **{"class-counts": counts})
-        return [], self.data.num_train, fit_metrics | metrics
+        return {}
 
-    def evaluate(self, parameters, config):
-        self.restore_personal_model()
-        anchors = self._anchors(config)
+    def predictors(self):
+        anchors = self.anchors
         predictors = {
-            "head": head_prediction,
             "anchor": lambda f, _logits: nearest_prototype(f, anchors, torch.ones_like(anchors[:, 0], dtype=bool)),
+            "head": head_prediction,
         }
-        received = self.global_prototypes(config)
-        if received is not None:
-            predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *received)
-        reported = self.options.inference if self.options.inference in predictors else "anchor"
-        return self.evaluate_predictors(predictors, reported)
+        if self.received_prototypes is not None:
+            predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *self.received_prototypes)
+        return predictors
 
 
 STRATEGY, CLIENT = FedSAStrategy, FedSAClient

@@ -27,59 +27,48 @@ e_k (Eq. 11); the consistent prototype o^j = sum e_k r_k^j / sum e_k over the ho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import (
-    ArraySpec,
-    ClientUpdate,
-    PrototypeClient,
-    PrototypeStrategy,
-    aggregate_prototypes,
-    average_parameters,
-    check_class_counts,
-    check_loss_metrics,
-    get_weights,
-    mean_client_metrics,
-    set_weights,
-)
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.wire import ArraySpec, ClassVectors
+from protofl.settings import MethodOptions
 from protofl.task.prototypes import (
-    NEIGHBOUR_METRICS,
-    SIMILARITY_NORMS,
+    NeighbourMetric,
+    SimilarityNorm,
+    aggregate_prototypes,
+    multi_positive_infonce,
     neighbour_merge,
-    prototype_infonce,
     sigmoid_discrepancy_weights,
 )
-from protofl.task.train import train
+from protofl.task.train import PostOrLastEpochPass
 
-CPDR_DISTANCES = ("mse", "l1", "l2")
+# broadcast in the fit config only
+RELATIONAL_PROTOTYPES = "relational-prototypes"  # one row per (client, class held)
+RELATIONAL_LABELS = "relational-labels"  # the class of each row
+CONSISTENT_PROTOTYPES = "consistent-prototypes"  # ClassVectors
 LOSS_KEYS = ("rpcl-loss", "cpdr-loss")
 
 
 @dataclass(frozen=True)
-class FedSCOptions:
+class FedSCOptions(MethodOptions):
     use_rpcl: bool = True
     use_cpdr: bool = True
     lambda_rpcl: float = 1.0
     lambda_cpdr: float = 1.0
     temperature: float = 0.05
-    similarity_norm: str = "mean-distance"
-    cpdr_distance: str = "mse"
+    similarity_norm: SimilarityNorm = "mean-distance"
+    cpdr_distance: Literal["mse", "l1", "l2"] = "mse"
     neighbours: int = 2  # M
-    neighbour_metric: str = "angle"
-    prototype_pass: str = "post-eval"
+    neighbour_metric: NeighbourMetric = "angle"
+    prototype_pass: PostOrLastEpochPass = "post-eval"
 
-    @classmethod
-    def from_config(cls, config: ExperimentConfig) -> "FedSCOptions":
-        options = config.options_as(cls, {
-            "similarity_norm": SIMILARITY_NORMS, "cpdr_distance": CPDR_DISTANCES,
-            "neighbour_metric": NEIGHBOUR_METRICS, "prototype_pass": ("post-eval", "last-epoch"),
-        })
-        if options.temperature <= 0 or options.neighbours < 0 or min(options.lambda_rpcl, options.lambda_cpdr) < 0:
+    def check(self) -> None:
+        if self.temperature <= 0 or self.neighbours < 0 or min(self.lambda_rpcl, self.lambda_cpdr) < 0:
             raise ValueError("fedsc: temperature must be > 0, neighbours and the loss weights >= 0")
-        return options
 
 
 # --- server math ------------------------------------------------------------------------
@@ -134,43 +123,34 @@ def consistency_loss(
 
 
 class FedSCStrategy(PrototypeStrategy):
+    options_class = FedSCOptions
+    loss_metrics = LOSS_KEYS
     broadcast_to_evaluate = False  # evaluation scores the global model's head
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.options = FedSCOptions.from_config(self.config)
         self.knowledge: dict[str, np.ndarray] = {}
-
-    def upload_spec(self) -> dict[str, ArraySpec]:
-        return self.class_statistics_spec("prototypes")
-
-    def check_update(self, update: ClientUpdate) -> None:
-        check_class_counts(update)
-        check_loss_metrics(update, LOSS_KEYS)
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return self.knowledge
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        prototypes = np.stack([u.payload["prototypes"] for u in updates])
-        counts = np.stack([u.payload["class-counts"] for u in updates])
+        prototypes, counts = stacked_statistics(updates)
         held = counts > 0
         relational = relational_prototypes(prototypes, held, self.options.neighbours, self.options.neighbour_metric)
         discrepancies = label_discrepancy(counts)
         weights = sigmoid_discrepancy_weights(counts.sum(axis=1), discrepancies)  # Eq. 11
-        consistent, mask = consistent_prototypes(relational, held, weights)
+        consistent = ClassVectors(*consistent_prototypes(relational, held, weights))
         self.knowledge = {
-            "relational-prototypes": relational[held],
-            "relational-labels": np.nonzero(held)[1].astype(np.int64),
-            "consistent-prototypes": consistent,
-            "consistent-mask": mask,
+            RELATIONAL_PROTOTYPES: relational[held],
+            RELATIONAL_LABELS: np.nonzero(held)[1].astype(np.int64),
+            **consistent.to_config(CONSISTENT_PROTOTYPES),
         }
         self.recorder.update(
             server_round,
             relational_prototypes=int(held.sum()),
             consistent_weight_min=float(weights.min()),
             consistent_weight_max=float(weights.max()),
-            **mean_client_metrics(updates, LOSS_KEYS),
         )
         return average_parameters(updates)
 
@@ -179,63 +159,41 @@ class FedSCStrategy(PrototypeStrategy):
 
 
 class FedSCClient(PrototypeClient):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.options = FedSCOptions.from_config(self.config)
+    options_class = FedSCOptions
 
-    def _server_prototypes(self, config) -> tuple[torch.Tensor, ...] | None:
-        """(relational prototypes, their labels, consistent prototypes, their mask); None before
-        the server has any (round 1)."""
-        num_classes = self.data.num_classes
-        relational = self.received(config, "relational-prototypes", ArraySpec((None, self.model.feature_dim)))
-        labels = self.received(config, "relational-labels", ArraySpec((None,), ("int64",), nonnegative=True))
-        consistent = self.received_class_vectors(config, "consistent-prototypes")
-        mask = self.received(config, "consistent-mask", ArraySpec((num_classes,), ("bool",)))
-        if relational is None or labels is None or consistent is None or mask is None:
-            return None
+    def receive(self, parameters, config):
+        """The global model and (relational prototypes, their labels, consistent prototypes, their
+        mask); the prototypes are None before the server has any (round 1)."""
+        self.load_shared(parameters)
+        num_classes, dim = self.data.num_classes, self.model.feature_dim
+        relational = self.received(config, RELATIONAL_PROTOTYPES, ArraySpec((None, dim)))
+        labels = self.received(config, RELATIONAL_LABELS, ArraySpec((None,), ("int64",), nonnegative=True))
+        consistent = ClassVectors.from_config(config, CONSISTENT_PROTOTYPES, num_classes, dim, self.max_payload_bytes)
+        self.server_prototypes = None
+        if relational is None or labels is None or consistent is None:
+            return
         if len(labels) != len(relational) or (labels >= num_classes).any():
             raise ValueError("FedSC: the relational labels do not match the relational prototypes")
-        return tuple(torch.from_numpy(a).to(self.device) for a in (relational, labels, consistent, mask))
+        arrays = (relational, labels, consistent.vectors, consistent.mask)
+        self.server_prototypes = tuple(torch.from_numpy(a).to(self.device) for a in arrays)
 
-    def fit(self, parameters, config):
-        set_weights(self.model, parameters)
-        received = self._server_prototypes(config)
-        seen = self.prototype_collector(self.options.prototype_pass)
-        parts: dict[str, list[torch.Tensor]] = {key: [] for key in LOSS_KEYS}
+    def batch_loss(self, features, logits, labels):
+        if self.server_prototypes is None:
+            return None  # round 1: CE only
+        relational, relational_labels, consistent, mask = self.server_prototypes
         options = self.options
-
-        def semantic_losses(features, _logits, labels):
-            if seen is not None:
-                seen.add(features, labels)
-            total = features.new_zeros(())
-            if received is None:
-                return total  # round 1: CE only
-            relational, relational_labels, consistent, mask = received
-            if options.use_rpcl:
-                rpcl = prototype_infonce(  # Eq. 14
-                    features, labels, relational, relational_labels, options.temperature, options.similarity_norm
-                )
-                parts["rpcl-loss"].append(rpcl.detach())
-                total = total + options.lambda_rpcl * rpcl
-            if options.use_cpdr:
-                cpdr = consistency_loss(features, labels, consistent, mask, options.cpdr_distance)  # Eq. 15
-                parts["cpdr-loss"].append(cpdr.detach())
-                total = total + options.lambda_cpdr * cpdr
-            return total
-
-        uses_hook = seen is not None or (received is not None and (options.use_rpcl or options.use_cpdr))
-        loss = train(
-            self.model, self.data.train_x, self.data.train_y,
-            extra_loss=semantic_losses if uses_hook else None, **self.train_kwargs(config),
-        )
-        prototypes = self.local_prototypes(seen)
-        metrics = {key: float(torch.stack(values).mean()) for key, values in parts.items() if values}
-        fit_metrics = self.fit_metrics(loss, prototypes=prototypes, **{"class-counts": self.data.class_counts()})
-        return get_weights(self.model), self.data.num_train, fit_metrics | metrics
-
-    def evaluate(self, parameters, config):
-        set_weights(self.model, parameters)
-        return self.evaluate_head()
+        total = features.new_zeros(())
+        if options.use_rpcl:
+            rpcl = multi_positive_infonce(  # Eq. 14
+                features, labels, relational, relational_labels, options.temperature, options.similarity_norm
+            )
+            self.record_loss(**{LOSS_KEYS[0]: rpcl})
+            total = total + options.lambda_rpcl * rpcl
+        if options.use_cpdr:
+            cpdr = consistency_loss(features, labels, consistent, mask, options.cpdr_distance)  # Eq. 15
+            self.record_loss(**{LOSS_KEYS[1]: cpdr})
+            total = total + options.lambda_cpdr * cpdr
+        return total
 
 
 STRATEGY, CLIENT = FedSCStrategy, FedSCClient

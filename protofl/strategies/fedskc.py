@@ -30,60 +30,47 @@ Ablations (Table V): ``use-lcl``, ``use-gda``, ``use-gpr``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import (
-    ArraySpec,
-    ClientUpdate,
-    PrototypeClient,
-    PrototypeStrategy,
-    check_class_counts,
-    check_loss_metrics,
-    get_weights,
-    mean_client_metrics,
-    set_weights,
-    weighted_average,
-)
-from protofl.task.prototypes import SIMILARITY_NORMS, neighbour_merge, prototype_infonce, sigmoid_discrepancy_weights
-from protofl.task.train import train
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.wire import ClassStatistics, ClassVectors, server_round
+from protofl.settings import MethodOptions
+from protofl.task.prototypes import SimilarityNorm, multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
+from protofl.task.train import PostOrLastEpochPass
+from protofl.task.weights import weighted_average
 
-GDA_MODES = ("paper", "normalized", "fedavg")
-GPR_FORMS = ("paper", "interp")
-LOSS_KEYS = ("lcl-loss",)
+GLOBAL_KNOWLEDGE = "global-knowledge"  # ClassVectors, C x C, in the fit config only
+LCL_LOSS = "lcl-loss"
 
 
 @dataclass(frozen=True)
-class FedSKCOptions:
+class FedSKCOptions(MethodOptions):
+    statistics: ClassVar[Literal["logit"]] = "logit"  # knowledge: per-class mean logits
     use_lcl: bool = True
     use_gda: bool = True
     use_gpr: bool = True
     lambda_lcl: float = 1.0
     temperature: float = 0.08
-    similarity_norm: str = "mean-distance"
+    similarity_norm: SimilarityNorm = "mean-distance"
     lcl_warmup_rounds: int = 0
     silu: bool = True
     neighbours: int = 1  # M
-    gda_mode: str = "paper"
-    gpr_form: str = "paper"
+    gda_mode: Literal["paper", "normalized", "fedavg"] = "paper"
+    gpr_form: Literal["paper", "interp"] = "paper"
     beta: float = 0.95
     gpr_clip: bool = False  # clip rho to [-1, 1] (not in the paper)
-    prototype_pass: str = "post-eval"
+    prototype_pass: PostOrLastEpochPass = "post-eval"
 
-    @classmethod
-    def from_config(cls, config: ExperimentConfig) -> "FedSKCOptions":
-        options = config.options_as(cls, {
-            "similarity_norm": SIMILARITY_NORMS, "gda_mode": GDA_MODES, "gpr_form": GPR_FORMS,
-            "prototype_pass": ("post-eval", "last-epoch"),
-        })
-        if options.temperature <= 0 or options.neighbours < 0 or options.lambda_lcl < 0:
+    def check(self) -> None:
+        if self.temperature <= 0 or self.neighbours < 0 or self.lambda_lcl < 0:
             raise ValueError("fedskc: temperature must be > 0, neighbours and lambda-lcl >= 0")
-        if not 0.0 <= options.beta <= 1.0 or options.lcl_warmup_rounds < 0:
+        if not 0.0 <= self.beta <= 1.0 or self.lcl_warmup_rounds < 0:
             raise ValueError("fedskc: beta must be in [0, 1] and lcl-warmup-rounds >= 0")
-        return options
 
 
 # --- server math ------------------------------------------------------------------------
@@ -144,35 +131,23 @@ def period_review(
 
 
 class FedSKCStrategy(PrototypeStrategy):
+    options_class = FedSKCOptions
+    loss_metrics = (LCL_LOSS,)
     broadcast_to_evaluate = False  # evaluation scores the global model's head
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.options = FedSKCOptions.from_config(self.config)
-        self.knowledge: np.ndarray | None = None  # the global knowledge of the last round
-        self.knowledge_mask: np.ndarray | None = None
+        self.knowledge: ClassVectors | None = None  # the global knowledge of the last round
         self.global_weights = list(self.initial_weights)  # what the clients trained from this round
         parameters = {name for name, _ in self.model.named_parameters()}
         self.trainable = [name in parameters for name in self.model.state_dict()]
 
-    def upload_spec(self) -> dict[str, ArraySpec]:
-        return {
-            "knowledge": ArraySpec((self.num_classes, self.num_classes)),
-            "class-counts": ArraySpec((self.num_classes,), ("int64",), nonnegative=True),
-        }
-
-    def check_update(self, update: ClientUpdate) -> None:
-        check_class_counts(update)
-        check_loss_metrics(update, LOSS_KEYS)
-
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        if self.knowledge is None:
-            return {}
-        return {"global-knowledge": self.knowledge, "global-knowledge-mask": self.knowledge_mask}
+        return self.knowledge.to_config(GLOBAL_KNOWLEDGE) if self.knowledge else {}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        knowledge = np.stack([u.payload["knowledge"] for u in updates])
-        held = np.stack([u.payload["class-counts"] for u in updates]) > 0
+        knowledge, counts = stacked_statistics(updates)
+        held = counts > 0
         new_knowledge, new_mask = global_knowledge(knowledge, held, self.options.neighbours)
         discrepancies = knowledge_discrepancy(knowledge, held, new_knowledge)
         sizes = np.array([u.num_examples for u in updates])
@@ -180,13 +155,13 @@ class FedSKCStrategy(PrototypeStrategy):
         aggregated = weighted_average([u.parameters for u in updates], weights)
         ratio = None
         if self.options.use_gpr and self.knowledge is not None:
-            ratio = variance_ratio(new_knowledge[new_mask], self.knowledge[self.knowledge_mask])
+            ratio = variance_ratio(new_knowledge[new_mask], self.knowledge.vectors[self.knowledge.mask])
             if ratio is not None:
                 ratio = float(np.clip(ratio, -1.0, 1.0)) if self.options.gpr_clip else ratio
                 aggregated = period_review(
                     aggregated, self.global_weights, ratio, self.options.beta, self.options.gpr_form, self.trainable
                 )
-        self.knowledge, self.knowledge_mask = new_knowledge, new_mask
+        self.knowledge = ClassVectors(new_knowledge, new_mask)
         self.global_weights = aggregated
         self.recorder.update(
             server_round,
@@ -194,7 +169,6 @@ class FedSKCStrategy(PrototypeStrategy):
             gda_weight_max=float(weights.max()),
             gpr_ratio=ratio,
             knowledge_variance=knowledge_variance(new_knowledge[new_mask]),
-            **mean_client_metrics(updates, LOSS_KEYS),
         )
         return aggregated
 
@@ -203,58 +177,38 @@ class FedSKCStrategy(PrototypeStrategy):
 
 
 class FedSKCClient(PrototypeClient):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.options = FedSKCOptions.from_config(self.config)
+    options_class = FedSKCOptions
 
-    def _global_knowledge(self, config) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the available classes' knowledge vectors, their class ids); None before there is any."""
+    def receive(self, parameters, config):
+        """The global model, the available classes' knowledge vectors and their class ids (None
+        before there is any), and LCL's weight this round."""
+        self.load_shared(parameters)
         num_classes = self.data.num_classes
-        vectors = self.received(config, "global-knowledge", ArraySpec((num_classes, num_classes)))
-        mask = self.received(config, "global-knowledge-mask", ArraySpec((num_classes,), ("bool",)))
-        if vectors is None or mask is None or not mask.any():
-            return None
-        classes = np.flatnonzero(mask)
-        return torch.from_numpy(vectors[classes]).to(self.device), torch.from_numpy(classes).to(self.device)
-
-    def _lcl_weight(self, server_round: int) -> float:
+        received = ClassVectors.from_config(config, GLOBAL_KNOWLEDGE, num_classes, num_classes, self.max_payload_bytes)
+        self.global_knowledge = None
+        if self.options.use_lcl and received is not None and received.mask.any():
+            classes = np.flatnonzero(received.mask)
+            self.global_knowledge = (
+                torch.from_numpy(received.vectors[classes]).to(self.device),
+                torch.from_numpy(classes).to(self.device),
+            )
         warmup = self.options.lcl_warmup_rounds
-        return self.options.lambda_lcl * (min(server_round / warmup, 1.0) if warmup > 0 else 1.0)
+        self.lcl_weight = self.options.lambda_lcl * (min(server_round(config) / warmup, 1.0) if warmup > 0 else 1.0)
 
-    def fit(self, parameters, config):
-        set_weights(self.model, parameters)
-        received = self._global_knowledge(config) if self.options.use_lcl else None
-        weight = self._lcl_weight(int(config.get("server-round", 1)))
-        seen = self.prototype_collector(self.options.prototype_pass, dim=self.data.num_classes)
-        parts: list[torch.Tensor] = []
-        options = self.options
+    def batch_loss(self, features, logits, labels):
+        if self.global_knowledge is None:
+            return None  # round 1: CE only
+        o = self.options
+        lcl = multi_positive_infonce(logits, labels, *self.global_knowledge, o.temperature, o.similarity_norm)  # Eq. 3
+        self.record_loss(**{LCL_LOSS: lcl})
+        return self.lcl_weight * lcl
 
-        def local_contrastive(_features, logits, labels):
-            if seen is not None:
-                seen.add(logits, labels)
-            if received is None:
-                return logits.new_zeros(())  # round 1: CE only
-            lcl = prototype_infonce(logits, labels, *received, options.temperature, options.similarity_norm)  # Eq. 3
-            parts.append(lcl.detach())
-            return weight * lcl
-
-        loss = train(
-            self.model, self.data.train_x, self.data.train_y,
-            extra_loss=local_contrastive if seen is not None or received is not None else None,
-            **self.train_kwargs(config),
-        )
-        knowledge = torch.from_numpy(self.local_prototypes(seen, space="logit"))
-        if self.options.silu:
-            knowledge = F.silu(knowledge)
-        metrics = {"lcl-loss": float(torch.stack(parts).mean())} if parts else {}
-        fit_metrics = self.fit_metrics(
-            loss, knowledge=knowledge.numpy(), **{"class-counts": self.data.class_counts()}
-        )
-        return get_weights(self.model), self.data.num_train, fit_metrics | metrics
-
-    def evaluate(self, parameters, config):
-        set_weights(self.model, parameters)
-        return self.evaluate_head()
+    def local_statistics(self, seen) -> ClassStatistics:
+        """Knowledge: per-class mean logits, through SiLU with ``silu`` (the paper)."""
+        statistics = super().local_statistics(seen)
+        if not self.options.silu:
+            return statistics
+        return ClassStatistics(F.silu(torch.from_numpy(statistics.means)).numpy(), statistics.counts)
 
 
 STRATEGY, CLIENT = FedSKCStrategy, FedSKCClient

@@ -15,10 +15,12 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
-PARTITION_SCHEMES = ("iid", "dirichlet", "dirichlet-balanced", "nid2", "pathological", "pathological-pfllib")
+PartitionScheme = Literal["iid", "dirichlet", "dirichlet-balanced", "nid2", "pathological", "pathological-pfllib"]
+PARTITION_SCHEMES = get_args(PartitionScheme)
 MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and test split
 PFLLIB_LEAST_SAMPLES = 40  # PFLlib's least_samples: batch 10 / (1 - 0.75 train share)
 

@@ -1,8 +1,10 @@
-"""Prototype math that FedSC and FedSKC share (pure numpy / torch, no Flower).
+"""Prototype math that methods share (pure numpy / torch, no Flower).
 
+- :func:`aggregate_prototypes`: per-class weighted mean of client prototypes (FedProto Eq. 5,
+  FedCoSR Eq. 6, FedSA, FedSC Eq. 12);
 - :func:`neighbour_merge`: each client's class vector averaged with its M nearest peers (FedSC
   Eq. 7-9 with the angle-wise rule, FedSKC Eq. 1 with pairwise L2);
-- :func:`prototype_infonce`: InfoNCE of queries against labelled keys, every key of the query's
+- :func:`multi_positive_infonce`: InfoNCE of queries against labelled keys, every key of the query's
   label a positive, with the similarity normaliser U (FedSC Eq. 13-14, FedSKC Eq. 2-3);
 - :func:`sigmoid_discrepancy_weights`: aggregation weights from sizes and discrepancies (FedSC
   Eq. 11, FedSKC Eq. 4).
@@ -10,12 +12,39 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import numpy as np
 import torch
 
-NEIGHBOUR_METRICS = ("angle", "l1", "l2", "cosine", "kl")
-SIMILARITY_NORMS = ("mean-distance", "none")
+NeighbourMetric = Literal["angle", "l1", "l2", "cosine", "kl"]
+SimilarityNorm = Literal["mean-distance", "none"]
+PrototypeWeighting = Literal["count", "uniform"]
+NEIGHBOUR_METRICS = get_args(NeighbourMetric)
+SIMILARITY_NORMS = get_args(SimilarityNorm)
+PROTOTYPE_WEIGHTINGS = get_args(PrototypeWeighting)
 WEIGHT_FORMS = ("normalized", "raw-counts")
+
+
+def aggregate_prototypes(
+    prototypes: np.ndarray, counts: np.ndarray, weighting: PrototypeWeighting = "count"
+) -> tuple[np.ndarray, np.ndarray]:
+    """K x C x d client prototypes and K x C counts -> (C x d global prototypes, C mask).
+
+    Class c's global prototype is the mean of the clients' prototypes of c weighted by their
+    counts of c (``count``) or unweighted over the clients holding c (``uniform``). The mask
+    marks classes held by at least one client; their rows are zero otherwise.
+    """
+    if weighting not in PROTOTYPE_WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {PROTOTYPE_WEIGHTINGS}, got {weighting!r}")
+    held = counts > 0
+    weights = counts.astype(np.float64) if weighting == "count" else held.astype(np.float64)
+    total = weights.sum(axis=0)
+    summed = np.einsum("kc,kcd->cd", weights, prototypes.astype(np.float64))
+    mask = total > 0
+    global_prototypes = np.zeros(prototypes.shape[1:], dtype=np.float32)
+    global_prototypes[mask] = summed[mask] / total[mask, None]
+    return global_prototypes, mask
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -64,7 +93,7 @@ def neighbour_merge(vectors: np.ndarray, num_neighbours: int, metric: str) -> np
     return merged.astype(np.float32)
 
 
-def prototype_infonce(
+def multi_positive_infonce(
     queries: torch.Tensor,
     labels: torch.Tensor,
     keys: torch.Tensor,

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy
-ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
+ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
+# where local prototypes come from: an eval pass after training, or the training-mode vectors seen
+# in training (every epoch, or the last one)
+PrototypePass = Literal["post-eval", "during-train", "last-epoch"]
+PostOrLastEpochPass = Literal["post-eval", "last-epoch"]
 
 
 def get_device() -> torch.device:
@@ -52,8 +56,9 @@ def train(
                 continue
             features, logits = model(x[batch])
             loss = F.cross_entropy(logits, y[batch])
-            if extra_loss is not None:
-                loss = loss + extra_loss(features, logits, y[batch])
+            extra = extra_loss(features, logits, y[batch]) if extra_loss is not None else None
+            if extra is not None:
+                loss = loss + extra
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if max_grad_norm > 0:

@@ -1,18 +1,28 @@
-"""Client rules on real digits data, without Flower's runtime."""
+"""The client template, through FedProto's and FedAvg's hooks, on real digits data without
+Flower's runtime."""
 
 import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import ArraySpec, decode_array, encode_array, get_weights
+from protofl.federation.wire import (
+    CLASS_COUNTS,
+    CLASS_MEANS,
+    GLOBAL_PROTOTYPES,
+    ArraySpec,
+    ClassVectors,
+    decode_array,
+    encode_array,
+)
+from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgClient
 from protofl.strategies.fedproto import FedProtoClient
 from protofl.task.data import load_client_data
 from protofl.task.models import build_model
 from protofl.task.train import class_means, features_and_logits
+from protofl.task.weights import get_weights
 
-CONFIG = ExperimentConfig(method="fedproto", local_epochs=1, options={"lambda": 1.0})
+CONFIG = ExperimentSettings(method="fedproto", local_epochs=1, options={"lambda": 1.0})
 SPEC = CONFIG.partition_spec(4)
 
 
@@ -21,18 +31,23 @@ def make_client(cls, state, config=CONFIG, partition=1):
     return cls(config, data, build_model("cnn", 1, 10, 16, seed=0), 4, state)
 
 
+def prototype_config(prototypes, mask):
+    return {k: encode_array(v) for k, v in ClassVectors(prototypes, mask).to_config(GLOBAL_PROTOTYPES).items()}
+
+
 def test_fedproto_uploads_class_means_of_its_trained_model_and_keeps_it():
     state = RecordDict()
     client = make_client(FedProtoClient, state)
     parameters, n, metrics = client.fit([], {"server-round": 1, "seed": 3})
     assert parameters == [] and n == client.data.num_train and metrics["partition-id"] == 1
-    prototypes = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
-    counts = decode_array(metrics["class-counts"], ArraySpec((10,), ("int64",)), 1 << 24)
+    prototypes = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
+    counts = decode_array(metrics[CLASS_COUNTS], ArraySpec((10,), ("int64",)), 1 << 24)
     np.testing.assert_array_equal(counts, client.data.class_counts())
     features, _ = features_and_logits(client.model, client.data.train_x)
     expected, _ = class_means(features, client.data.train_y, 10)
     np.testing.assert_allclose(prototypes, expected, atol=1e-5)
     assert "model" in state
+    assert client.get_parameters({}) == []  # a personal model: no method hands it to the server
 
     # a new client object on the same node (next round) continues from the stored model
     trained = get_weights(client.model)
@@ -45,11 +60,10 @@ def test_fedproto_uploads_class_means_of_its_trained_model_and_keeps_it():
 def test_fedproto_prototype_loss_pulls_features_toward_global_prototypes():
     global_prototypes = np.zeros((10, 512), np.float32)
     mask = np.ones(10, bool)
-    config = {"server-round": 2, "seed": 3, "global-prototypes": encode_array(global_prototypes),
-              "global-prototype-mask": encode_array(mask)}
+    config = {"server-round": 2, "seed": 3} | prototype_config(global_prototypes, mask)
 
     def feature_norm(lam):
-        client = make_client(FedProtoClient, RecordDict(), ExperimentConfig(local_epochs=3, options={"lambda": lam}))
+        client = make_client(FedProtoClient, RecordDict(), ExperimentSettings(local_epochs=3, options={"lambda": lam}))
         client.fit([], config)
         features, _ = features_and_logits(client.model, client.data.train_x)
         return features.norm(dim=1).mean().item()
@@ -60,9 +74,9 @@ def test_fedproto_prototype_loss_pulls_features_toward_global_prototypes():
 def test_fedproto_evaluate_reports_prototype_and_head_predictions():
     client = make_client(FedProtoClient, RecordDict())
     _, _, metrics = client.fit([], {"server-round": 1, "seed": 3})
-    prototypes = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
-    mask = decode_array(metrics["class-counts"], ArraySpec((10,), ("int64",)), 1 << 24) > 0
-    config = {"global-prototypes": encode_array(prototypes), "global-prototype-mask": encode_array(mask)}
+    prototypes = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
+    mask = decode_array(metrics[CLASS_COUNTS], ArraySpec((10,), ("int64",)), 1 << 24) > 0
+    config = prototype_config(prototypes, mask)
     _, n, result = client.evaluate([], config)
     assert n == client.data.num_test
     assert result["correct"] == result["correct-prototype"]
@@ -74,7 +88,7 @@ def test_fedproto_evaluate_reports_prototype_and_head_predictions():
 
 
 def test_fedavg_client_starts_from_the_parameters_it_receives():
-    client = make_client(FedAvgClient, RecordDict(), ExperimentConfig(lr=0.0))
+    client = make_client(FedAvgClient, RecordDict(), ExperimentSettings(lr=0.0))
     received = [np.full_like(w, 0.01) for w in get_weights(client.model)]
     returned, _, _ = client.fit(received, {"seed": 1})
     for a, b in zip(received, returned):
@@ -132,17 +146,17 @@ def test_feature_sums_and_training_mode_prototypes():
     # FedProto's "during-train" prototypes: the features seen while training; with lr 0 nothing
     # moves and the CNN (no BatchNorm, no dropout) gives the eval pass's means; a class whose
     # samples were never seen is filled from an eval pass
-    config = ExperimentConfig(method="fedproto", local_epochs=1, lr=0.0, options={"prototype-pass": "during-train"})
+    config = ExperimentSettings(method="fedproto", local_epochs=1, lr=0.0, options={"prototype-pass": "during-train"})
     client = make_client(FedProtoClient, RecordDict(), config)
     _, _, metrics = client.fit([], {"server-round": 1, "seed": 3})
-    prototypes = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
+    prototypes = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
     expected, _ = class_means(features_and_logits(client.model, client.data.train_x)[0], client.data.train_y, 10)
     np.testing.assert_allclose(prototypes, expected, rtol=1e-5, atol=1e-6)
     empty = FeatureSums(10, 512, torch.device("cpu"))
     np.testing.assert_allclose(client.local_prototypes(empty), expected, rtol=1e-5, atol=1e-6)
-    moved = make_client(FedProtoClient, RecordDict(), ExperimentConfig(
+    moved = make_client(FedProtoClient, RecordDict(), ExperimentSettings(
         method="fedproto", local_epochs=1, options={"prototype-pass": "during-train"}))
     _, _, metrics = moved.fit([], {"server-round": 1, "seed": 3})
-    during = decode_array(metrics["prototypes"], ArraySpec((10, 512)), 1 << 24)
+    during = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
     after, _ = class_means(features_and_logits(moved.model, moved.data.train_x)[0], moved.data.train_y, 10)
     assert not np.allclose(during, after, atol=1e-3)  # features from before each step differ

@@ -4,7 +4,15 @@ import pickle
 import numpy as np
 import pytest
 
-from protofl.strategies.base import ArraySpec, PayloadError, decode_array, encode_array
+from protofl.federation.wire import (
+    CLASS_COUNTS,
+    ArraySpec,
+    ClassStatistics,
+    ClassVectors,
+    PayloadError,
+    decode_array,
+    encode_array,
+)
 
 SPEC = ArraySpec((3, 4), ("float32",))
 CAP = 1 << 20
@@ -114,3 +122,61 @@ def test_rejects_negative_counts_and_non_bytes():
 def test_encode_refuses_object_arrays():
     with pytest.raises(PayloadError):
         encode_array(np.array([{}], dtype=object))
+
+
+# --- typed payloads -----------------------------------------------------------------------
+
+MEANS = np.arange(6, dtype=np.float32).reshape(3, 2)
+
+
+def statistics_metrics(counts, means=MEANS):
+    return ClassStatistics(means, np.array(counts, dtype=np.int64)).to_metrics()
+
+
+def test_class_statistics_round_trip():
+    decoded = ClassStatistics.from_metrics(statistics_metrics([2, 0, 5]), 3, 2, num_examples=7, max_bytes=CAP)
+    np.testing.assert_array_equal(decoded.means, MEANS)
+    assert decoded.counts.tolist() == [2, 0, 5] and decoded.counts.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    "counts,num_examples,message",
+    [([2, 0, 5], 8, "do not add up"), ([0, 0, 7], 6, "exceeds num_examples"), ([3, -1, 5], 7, "negative")],
+)
+def test_class_statistics_checks_always_run(counts, num_examples, message):
+    with pytest.raises(PayloadError, match=message):
+        ClassStatistics.from_metrics(statistics_metrics(counts), 3, 2, num_examples, CAP)
+
+
+def test_class_counts_are_summed_without_int64_wrap_around():
+    # nine counts of n = 2^61, each <= n: in int64 they sum to 9 * 2^61 - 2^64 = n
+    n = 2**61
+    counts = np.array([n] * 9 + [0], dtype=np.int64)
+    assert int(counts.sum()) == n  # what a check in int64 would accept
+    metrics = ClassStatistics(np.zeros((10, 2), np.float32), counts).to_metrics()
+    with pytest.raises(PayloadError, match="do not add up"):
+        ClassStatistics.from_metrics(metrics, 10, 2, num_examples=n, max_bytes=CAP)
+
+
+def test_class_statistics_wrong_shape_missing_key_and_non_finite_name_the_key():
+    with pytest.raises(PayloadError, match="'class-means': shape"):
+        ClassStatistics.from_metrics(statistics_metrics([1, 1, 1]), 3, 4, 3, CAP)
+    metrics = statistics_metrics([1, 1, 1])
+    del metrics[CLASS_COUNTS]
+    with pytest.raises(PayloadError, match="missing 'class-counts'"):
+        ClassStatistics.from_metrics(metrics, 3, 2, 3, CAP)
+    bad = MEANS.copy()
+    bad[0, 0] = np.inf
+    with pytest.raises(PayloadError, match="'class-means': non-finite"):
+        ClassStatistics.from_metrics(statistics_metrics([1, 1, 1], bad), 3, 2, 3, CAP)
+
+
+def test_class_vectors_round_trip_and_feature_size_mismatch_is_clear():
+    vectors = ClassVectors(MEANS, np.array([True, False, True]))
+    config = {k: encode_array(v) for k, v in vectors.to_config("global-prototypes").items()}
+    decoded = ClassVectors.from_config(config, "global-prototypes", 3, 2, CAP)
+    np.testing.assert_array_equal(decoded.vectors, MEANS)
+    assert decoded.mask.tolist() == [True, False, True]
+    assert ClassVectors.from_config({}, "global-prototypes", 3, 2, CAP) is None
+    with pytest.raises(PayloadError, match="2-d, but this client's model gives 5-d"):
+        ClassVectors.from_config(config, "global-prototypes", 3, 5, CAP)

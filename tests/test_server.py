@@ -1,4 +1,4 @@
-"""Strategy plumbing without Ray: hand-built FitRes/EvaluateRes lists into aggregate_*."""
+"""The server template without Ray: hand-built FitRes/EvaluateRes lists into aggregate_*."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 from fakes import OK, FakeProxy
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
-from protofl.config import ExperimentConfig
-from protofl.strategies.base import encode_array
+from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics
+from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgStrategy
 from protofl.strategies.fedproto import FedProtoStrategy
 from protofl.task.models import build_model
@@ -17,7 +17,7 @@ C, D = 10, 512
 
 
 def make_strategy(cls, tmp_path, **overrides):
-    config = ExperimentConfig(output_dir=str(tmp_path), run_name="run", **overrides)
+    config = ExperimentSettings(output_dir=str(tmp_path), run_name="run", **overrides)
     strategy = cls(config, build_model("cnn", 1, C, 16, seed=0), C)
     strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(4)}
     strategy.sampled = [0, 1, 2, 3]
@@ -25,10 +25,10 @@ def make_strategy(cls, tmp_path, **overrides):
 
 
 def proto_result(pid, prototypes, counts, **extra):
-    metrics = {"partition-id": pid, "train-loss": 1.0,
-               "prototypes": encode_array(prototypes), "class-counts": encode_array(counts)}
+    metrics = {"partition-id": pid, "train-loss": 1.0, **ClassStatistics(prototypes, counts).to_metrics()}
     metrics.update(extra)
-    return FakeProxy(str(100 + pid)), FitRes(OK, Parameters(tensors=[], tensor_type="numpy.ndarray"), 10, metrics)
+    parameters = Parameters(tensors=[], tensor_type="numpy.ndarray")
+    return FakeProxy(str(100 + pid)), FitRes(OK, parameters, int(np.sum(counts)), metrics)
 
 
 def test_malformed_payload_is_dropped_and_round_goes_on(tmp_path, caplog):
@@ -36,12 +36,12 @@ def test_malformed_payload_is_dropped_and_round_goes_on(tmp_path, caplog):
     good_a = proto_result(0, np.full((C, D), 1.0, np.float32), np.array([2] + [0] * 9))
     good_b = proto_result(1, np.full((C, D), 4.0, np.float32), np.array([6] + [0] * 9))
     garbage = proto_result(2, np.zeros((C, D), np.float32), np.zeros(C, np.int64))
-    garbage[1].metrics["prototypes"] = b"\x93NUMPY-not-really"
+    garbage[1].metrics[CLASS_MEANS] = b"\x93NUMPY-not-really"
     wrong_shape = proto_result(3, np.zeros((C, D + 1), np.float32), np.ones(C, np.int64))
     _, metrics = strategy.aggregate_fit(1, [good_a, garbage, good_b, wrong_shape], [])
     assert metrics["accepted"] == 2
-    np.testing.assert_allclose(strategy.global_prototypes[0], 1.0 * 0.25 + 4.0 * 0.75)
-    assert strategy.prototype_mask.tolist() == [True] + [False] * 9
+    np.testing.assert_allclose(strategy.global_prototypes.vectors[0], 1.0 * 0.25 + 4.0 * 0.75)
+    assert strategy.global_prototypes.mask.tolist() == [True] + [False] * 9
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "node 102" in messages and "node 103" in messages and "shape" in messages
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
@@ -54,7 +54,7 @@ def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
     strategy = make_strategy(FedProtoStrategy, tmp_path, min_fit_clients=2)
     good = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
     missing = proto_result(1, np.ones((C, D), np.float32), np.ones(C, np.int64))
-    del missing[1].metrics["class-counts"]
+    del missing[1].metrics[CLASS_COUNTS]
     with pytest.raises(RuntimeError, match="only 1 valid client updates, 2 required"):
         strategy.aggregate_fit(1, [good, missing], [RuntimeError("client crashed")])
 
@@ -118,5 +118,5 @@ def test_personalized_metrics_aggregate_across_clients(tmp_path):
 
 
 def test_evaluation_runs_every_eval_every_rounds_and_in_the_last(tmp_path):
-    config = ExperimentConfig(eval_every=3, num_server_rounds=10)
+    config = ExperimentSettings(eval_every=3, num_server_rounds=10)
     assert [r for r in range(1, 11) if config.is_eval_round(r)] == [3, 6, 9, 10]

@@ -1,0 +1,205 @@
+"""The wire: what server and clients send each other, and the checks on it.
+
+Legacy Flower API: model arrays travel as the ``Parameters``; every other array as
+``np.save(..., allow_pickle=False)`` bytes in ``FitRes.metrics`` (client -> server) and in
+``FitIns.config`` / ``EvaluateIns.config`` (server -> client), next to scalar values. Every key
+two modules share is spelled here, once; a key only one method uses is spelled in that method's
+module. Nothing is ever unpickled: a blob is read only after its ``.npy`` header is checked.
+
+Typed payloads:
+
+- :class:`ClassStatistics`: a client's per-class means and counts (the upload of every method
+  that sends prototypes, class means or knowledge), checked on every decode;
+- :class:`ClassVectors`: one vector per class and the mask of classes that have one (global
+  prototypes, knowledge), as the server broadcasts them.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.common import Parameters, Scalar
+
+ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "bool"})
+NPY_MAGIC = b"\x93NUMPY"
+
+# per-round config (server -> client)
+SERVER_ROUND = "server-round"
+SEED = "seed"
+GLOBAL_PROTOTYPES = "global-prototypes"  # ClassVectors: FedProto, FedCoSR, FedSA
+# properties and metrics (client -> server)
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+NUM_TRAIN = "num-train"
+NUM_TEST = "num-test"
+TRAIN_LOSS = "train-loss"
+CLASS_MEANS = "class-means"
+CLASS_COUNTS = "class-counts"
+CORRECT = "correct"  # evaluation: correct predictions of the reported predictor; "correct-<name>": of each
+PM_L, PM_V = "pm-l", "pm-v"  # evaluation on the global test set (FedNH's protocol)
+
+
+class PayloadError(ValueError):
+    """A payload that must not be used (unreadable, wrong shape or dtype, non-finite, too big)."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What an array payload must look like. ``None`` in ``shape`` matches any length."""
+
+    shape: tuple[int | None, ...]
+    dtypes: tuple[str, ...] = ("float32",)
+    nonnegative: bool = False
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    """numpy array -> ``.npy`` bytes (never pickled)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.name not in ALLOWED_DTYPES:
+        raise PayloadError(f"dtype {array.dtype} is not allowed on the wire")
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
+    """``.npy`` bytes -> array, checked against ``spec``; raises :class:`PayloadError`."""
+    if not isinstance(blob, bytes):
+        raise PayloadError(f"expected bytes, got {type(blob).__name__}")
+    if len(blob) > max_bytes:
+        raise PayloadError(f"{len(blob)} bytes exceeds the cap of {max_bytes}")
+    if not blob.startswith(NPY_MAGIC):
+        raise PayloadError("not a .npy array")
+    # Check the header before loading: a header may claim any shape, and loading allocates it.
+    stream = io.BytesIO(blob)
+    try:
+        major, _ = np.lib.format.read_magic(stream)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(stream)
+    except (ValueError, OSError, EOFError, SyntaxError) as err:
+        raise PayloadError(f"unreadable array header ({err})") from None
+    if dtype.name not in spec.dtypes:
+        raise PayloadError(f"dtype {dtype} not in {spec.dtypes}")
+    if len(shape) != len(spec.shape) or any(want is not None and want != got for want, got in zip(spec.shape, shape)):
+        raise PayloadError(f"shape {shape} does not match {spec.shape}")
+    if len(blob) - stream.tell() != math.prod(shape) * dtype.itemsize:
+        raise PayloadError(f"data size does not match the header's shape {shape}")
+    try:
+        array = np.load(io.BytesIO(blob), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise PayloadError(f"unreadable array ({err})") from None
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise PayloadError("non-finite values")
+    if spec.nonnegative and (array < 0).any():
+        raise PayloadError("negative values")
+    return array
+
+
+def decode_entry(values: Mapping[str, Any], key: str, spec: ArraySpec, max_bytes: int) -> np.ndarray:
+    """The array under ``key`` of a metrics/config dict; its errors name the key."""
+    if key not in values:
+        raise PayloadError(f"missing {key!r}")
+    try:
+        return decode_array(values[key], spec, max_bytes)
+    except PayloadError as err:
+        raise PayloadError(f"{key!r}: {err}") from None
+
+
+def payload_bytes(values: Mapping[str, Any]) -> int:
+    """Bytes carried by the ``bytes`` values of a config/metrics dict."""
+    return sum(len(v) for v in values.values() if isinstance(v, bytes))
+
+
+def parameters_bytes(parameters: Parameters) -> int:
+    return sum(len(t) for t in parameters.tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-round config
+# ---------------------------------------------------------------------------------------
+
+
+def round_config(server_round: int, seed: int) -> dict[str, Scalar]:
+    """The scalars every instruction carries: the round and the client's seed for it."""
+    return {SERVER_ROUND: server_round, SEED: seed}
+
+
+def server_round(config: Mapping[str, Scalar]) -> int:
+    return int(config.get(SERVER_ROUND, 1))
+
+
+def round_seed(config: Mapping[str, Scalar], default: int) -> int:
+    return int(config.get(SEED, default))
+
+
+# ---------------------------------------------------------------------------------------
+# Typed payloads
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassStatistics:
+    """One client's per-class mean vectors (C x d float32, zero rows for absent classes) and
+    class counts (C int64) over its training split."""
+
+    means: np.ndarray
+    counts: np.ndarray
+
+    def to_metrics(self) -> dict[str, bytes]:
+        return {CLASS_MEANS: encode_array(self.means), CLASS_COUNTS: encode_array(self.counts)}
+
+    @classmethod
+    def from_metrics(
+        cls, metrics: Mapping[str, Any], num_classes: int, dim: int, num_examples: int, max_bytes: int
+    ) -> "ClassStatistics":
+        """Decoded and checked, always: shapes and dtypes, finite means, counts >= 0, each at
+        most ``num_examples`` and together exactly ``num_examples`` (summed without overflow)."""
+        means = decode_entry(metrics, CLASS_MEANS, ArraySpec((num_classes, dim)), max_bytes)
+        counts = decode_entry(metrics, CLASS_COUNTS, ArraySpec((num_classes,), ("int64",), True), max_bytes)
+        if (counts > num_examples).any():
+            raise PayloadError(f"a class count exceeds num_examples ({num_examples})")
+        if sum(counts.tolist()) != num_examples:  # Python ints: no int64 wrap-around
+            raise PayloadError("class counts do not add up to num_examples")
+        return cls(means, counts)
+
+
+@dataclass(frozen=True)
+class ClassVectors:
+    """One vector per class (C x d) and the C mask of the classes that have one."""
+
+    vectors: np.ndarray
+    mask: np.ndarray
+
+    def to_config(self, name: str) -> dict[str, np.ndarray]:
+        """The broadcast arrays, under ``name`` and ``name-mask``."""
+        return {name: self.vectors, f"{name}-mask": self.mask}
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], name: str, num_classes: int, dim: int, max_bytes: int
+    ) -> "ClassVectors | None":
+        """Read back what :meth:`to_config` wrote; None when not sent."""
+        vectors = decode_class_vectors(config, name, num_classes, dim, max_bytes)
+        if vectors is None:
+            return None
+        return cls(vectors, decode_entry(config, f"{name}-mask", ArraySpec((num_classes,), ("bool",)), max_bytes))
+
+
+def decode_class_vectors(
+    config: Mapping[str, Any], name: str, num_classes: int, dim: int, max_bytes: int
+) -> np.ndarray | None:
+    """A C x ``dim`` float32 array of the server's config; None when not sent. Another vector size is
+    a clear error: this client's architecture does not fit the federation's."""
+    if name not in config:
+        return None
+    vectors = decode_entry(config, name, ArraySpec((num_classes, None)), max_bytes)
+    if vectors.shape[1] != dim:
+        raise PayloadError(
+            f"the server's {name} are {vectors.shape[1]}-d, but this client's model gives "
+            f"{dim}-d features: every client's architecture must end in the same feature size"
+        )
+    return vectors

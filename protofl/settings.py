@@ -1,0 +1,251 @@
+"""The experiment's settings: Flower's run config, parsed once into typed objects (no flwr imports).
+
+Two words, two things: *settings* are the experiment's (:class:`ExperimentSettings`, built from the
+run config, the same in every round); Flower's *config* is the per-round dict a server sends with
+each instruction (:mod:`protofl.federation.wire`).
+
+Flower flattens the nested tables of ``[tool.flwr.app.config]`` into dotted keys, so the FedProto
+table arrives as ``run_config["fedproto.lambda"]``. A method reads its own table as a
+:class:`MethodOptions` subclass: one typed mechanism for top-level keys and method options alike
+(:func:`parse_fields`): unknown keys are errors, each value must have its field's type, and a
+``Literal[...]`` field lists its allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
+
+from protofl.task.partition import PartitionScheme, PartitionSpec
+
+EvaluateClients = Literal["sampled", "all"]
+
+
+# ---------------------------------------------------------------------------------------
+# Typed fields
+# ---------------------------------------------------------------------------------------
+
+
+def _describe(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return f"one of {get_args(annotation)}"
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(annotation))
+    return {bool: "a bool (true or false)", int: "an integer", float: "a number", str: "a string"}.get(
+        annotation, str(annotation)
+    )
+
+
+def _conform(value: Any, annotation: Any) -> tuple[bool, Any]:
+    """(whether ``value`` has the type ``annotation`` names, the value as that type)."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in get_args(annotation)), value
+    if origin in (typing.Union, types.UnionType):
+        for member in get_args(annotation):
+            ok, converted = _conform(value, member)
+            if ok:
+                return True, converted
+        return False, value
+    if annotation is bool:
+        return isinstance(value, bool), value
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if annotation is str:
+        return isinstance(value, str), value
+    raise TypeError(f"unsupported field type {annotation!r}")
+
+
+def parse_fields(cls: type, values: Mapping[str, Any], prefix: str = "", unknown: str = "key") -> dict[str, Any]:
+    """``values`` checked against the dataclass ``cls``'s fields (key "a-b" for field ``a_b``, "b"
+    for ``b_``): an unknown key, or a value not of its field's type, is a ``ValueError`` naming
+    ``prefix + key``."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name.rstrip("_"): f.name for f in dataclasses.fields(cls)}  # lambda_: the key "lambda"
+    parsed: dict[str, Any] = {}
+    for key, value in values.items():
+        name = fields.get(key.replace("-", "_"))
+        if name is None:
+            raise ValueError(f"unknown {unknown} {prefix + key!r}")
+        ok, parsed[name] = _conform(value, hints[name])
+        if not ok:
+            raise ValueError(f"{prefix + key} must be {_describe(hints[name])}, got {value!r}")
+    return parsed
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """A method's options: subclass it as a frozen dataclass whose fields are the keys of the
+    method's run-config table (``[tool.flwr.app.config.<method>]``, "-" for "_"), typed, with
+    ``Literal[...]`` for enumerations; range checks go in :meth:`check`.
+
+    Two class-level declarations are the method's contract with the templates:
+
+    - ``statistics``: the class statistics each client uploads every round (per-class means and
+      counts): of its ``"feature"`` vectors (C x d), of its ``"logit"`` vectors (C x C), or None;
+    - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters.
+    """
+
+    statistics: ClassVar[Literal["feature", "logit"] | None] = "feature"
+
+    @classmethod
+    def from_settings(cls, settings: "ExperimentSettings") -> "MethodOptions":
+        options = cls(**parse_fields(cls, settings.options, f"{settings.method}.", f"{settings.method} option"))
+        options.check()
+        return options
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for values out of range."""
+
+    def shares(self, name: str) -> bool:
+        """Whether the model entry ``name`` is exchanged with the server (default: all of them)."""
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# The experiment
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExperimentSettings:
+    method: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str = ""
+    partition: PartitionScheme = "dirichlet"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    test_fraction: float = 0.25
+    data_fraction: float = 1.0
+    scarce_clients: int = 0
+    scarce_fraction: float = 0.1
+    long_tail: float = 1.0
+    num_server_rounds: int = 20
+    fraction_fit: float = 1.0
+    min_fit_clients: int = 2
+    evaluate_clients: EvaluateClients = "sampled"
+    eval_every: int = 1
+    local_epochs: int = 2
+    batch_size: int = 10
+    lr: float = 0.05
+    lr_decay: float = 1.0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    model: str = "cnn"
+    seed: int = 0
+    max_payload_mb: float = 64.0
+    global_test_pm: bool = True
+    global_test_pm_per_class: int = 0
+    output_dir: str = "~/protofl-runs"
+    run_name: str = ""
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the method's table, raw
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> "ExperimentSettings":
+        """Build from Flower's flat run config; unknown or mistyped top-level keys are errors."""
+        top_level = {k: v for k, v in run_config.items() if "." not in k and k != "options"}
+        if "options" in run_config:
+            raise ValueError("unknown run-config key 'options'")
+        values = parse_fields(cls, top_level, unknown="run-config key")
+        method = str(values.get("method", cls.method))
+        settings = cls(**values, options=method_options(run_config, method))
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if not 0.0 < self.fraction_fit <= 1.0:
+            raise ValueError(f"fraction-fit must be in (0, 1], got {self.fraction_fit}")
+        for name in ("data_fraction", "scarce_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+        if self.long_tail < 1.0:
+            raise ValueError(f"long-tail (rho = n_max / n_min) must be >= 1, got {self.long_tail}")
+        if self.scarce_clients < 0:
+            raise ValueError(f"scarce-clients must be >= 0, got {self.scarce_clients}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"test-fraction must be in (0, 1), got {self.test_fraction}")
+        for name in ("num_server_rounds", "local_epochs", "batch_size", "min_fit_clients", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ValueError(f"lr-decay must be in (0, 1], got {self.lr_decay}")
+        if self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:
+            raise ValueError("max-grad-norm and global-test-pm-per-class must be >= 0")
+
+    def round_lr(self, server_round: int) -> float:
+        """The client learning rate of a round: lr * lr-decay^(round - 1)."""
+        return self.lr * self.lr_decay ** (max(server_round, 1) - 1)
+
+    def partition_spec(self, num_partitions: int) -> PartitionSpec:
+        return PartitionSpec(
+            scheme=self.partition,
+            num_partitions=num_partitions,
+            alpha=float(self.alpha),
+            classes_per_client=int(self.classes_per_client),
+            test_fraction=float(self.test_fraction),
+            seed=int(self.seed),
+            data_fraction=float(self.data_fraction),
+            scarce_clients=int(self.scarce_clients),
+            scarce_fraction=float(self.scarce_fraction) if self.scarce_clients else 1.0,
+            long_tail=float(self.long_tail),
+        )
+
+    def is_eval_round(self, server_round: int) -> bool:
+        """Evaluate every `eval-every` rounds, and always in the last round."""
+        return server_round % self.eval_every == 0 or server_round == self.num_server_rounds
+
+    def run_directory(self) -> Path:
+        """Absolute directory for this run's results."""
+        name = self.run_name or (
+            f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{self.method}-{self.dataset}-s{self.seed}"
+        )
+        return (Path(self.output_dir).expanduser() / name).resolve()
+
+    def as_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["options"] = dict(self.options)
+        return values
+
+
+def method_options(run_config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The nested ``[tool.flwr.app.config.<method>]`` table, prefix stripped."""
+    prefix = f"{method}."
+    return {k[len(prefix):]: v for k, v in run_config.items() if k.startswith(prefix)}
+
+
+# ---------------------------------------------------------------------------------------
+# Run configs outside Flower (benchmarks, tests)
+# ---------------------------------------------------------------------------------------
+
+
+def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested TOML tables -> dotted keys, as Flower flattens ``[tool.flwr.app.config]``."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def default_run_config(pyproject: Path) -> dict[str, Any]:
+    """The app's default run config, flat, from its ``pyproject.toml``."""
+    return flatten(tomllib.loads(Path(pyproject).read_text())["tool"]["flwr"]["app"]["config"])
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """``"key=value key2='text'"`` (``flwr run --run-config``'s form; values are TOML) -> a flat dict."""
+    pairs = re.findall(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)", text)
+    return flatten(tomllib.loads("\n".join(f"{k} = {v}" for k, v in pairs)))

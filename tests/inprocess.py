@@ -1,0 +1,51 @@
+"""A federation in one process, without Ray: protofl's ServerApp and ClientApp factories, a fresh
+client per message and a persistent ``context.state`` per node, as Flower runs them; every
+message is kept for inspection."""
+
+from flwr.app import RecordDict
+from flwr.common import Context
+from flwr.server.client_proxy import ClientProxy
+
+from protofl.client_app import make_client_fn
+from protofl.server_app import make_server_fn
+
+
+class InProcessProxy(ClientProxy):
+    def __init__(self, cid, client_fn, context, messages):
+        super().__init__(cid)
+        self.client_fn, self.context, self.messages = client_fn, context, messages
+
+    def _call(self, kind, ins):
+        reply = getattr(self.client_fn(self.context), kind)(ins)
+        self.messages.append((kind, ins, reply))
+        return reply
+
+    def get_properties(self, ins, timeout, group_id):
+        return self._call("get_properties", ins)
+
+    def get_parameters(self, ins, timeout, group_id):
+        return self._call("get_parameters", ins)
+
+    def fit(self, ins, timeout, group_id):
+        return self._call("fit", ins)
+
+    def evaluate(self, ins, timeout, group_id):
+        return self._call("evaluate", ins)
+
+    def reconnect(self, ins, timeout, group_id):
+        return None
+
+
+def run_in_process(run_config, num_nodes=3):
+    """(the strategy after the run, [(kind, instruction, reply), ...] of every message)."""
+    empty = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    components = make_server_fn(run_config)(empty)
+    server, messages = components.server, []
+    server.set_max_workers(1)  # one client at a time: model init seeds torch's global generator
+    client_fn = make_client_fn(run_config)
+    for p in range(num_nodes):
+        node_config = {"partition-id": p, "num-partitions": num_nodes}
+        context = Context(run_id=1, node_id=100 + p, node_config=node_config, state=RecordDict(), run_config={})
+        server.client_manager().register(InProcessProxy(str(1000 + p), client_fn, context, messages))
+    server.fit(components.config.num_rounds, None)
+    return server.strategy, messages

@@ -1,0 +1,73 @@
+"""The steps of docs/adding-a-method.md, done for every registered method; the guide names every hook."""
+
+import dataclasses
+import importlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import PrototypeStrategy
+from protofl.settings import MethodOptions
+from protofl.strategies import METHODS
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = (ROOT / "docs" / "adding-a-method.md").read_text()
+README = (ROOT / "README.md").read_text()
+TABLES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+
+def option_defaults(options_class) -> dict:
+    """The run-config keys of a method's options and their defaults."""
+    return {f.name.rstrip("_").replace("_", "-"): f.default for f in dataclasses.fields(options_class)}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_registered_method_is_one_module_with_options_strategy_and_client(name):
+    module = importlib.import_module(f"protofl.strategies.{name}")
+    assert module.__doc__, "a method module starts with what it is (paper, equations)"
+    assert issubclass(module.STRATEGY, PrototypeStrategy) and issubclass(module.CLIENT, PrototypeClient)
+    options = module.STRATEGY.options_class
+    assert options is module.CLIENT.options_class and issubclass(options, MethodOptions)
+    assert dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_its_pyproject_table_holds_every_option_with_the_dataclass_default(name):
+    options = importlib.import_module(f"protofl.strategies.{name}").STRATEGY.options_class
+    assert TABLES[name] == option_defaults(options)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_readme_documents_the_method_and_every_option(name):
+    assert f"`protofl/strategies/{name}.py`" in README
+    options = importlib.import_module(f"protofl.strategies.{name}").STRATEGY.options_class
+    undocumented = [key for key in option_defaults(options) if f"`{name}.{key}`" not in README]
+    assert undocumented == []
+
+
+def test_the_guide_names_every_hook_a_method_overrides():
+    hooks = set()
+    for name in METHODS:
+        module = importlib.import_module(f"protofl.strategies.{name}")
+        for cls, template in ((module.STRATEGY, PrototypeStrategy), (module.CLIENT, PrototypeClient)):
+            hooks |= {attr for attr in vars(cls) if hasattr(template, attr) and not attr.startswith("_")}
+        hooks |= {attr for attr in vars(module.STRATEGY.options_class) if hasattr(MethodOptions, attr)
+                  and not attr.startswith("_")}
+        if hasattr(module, "prepare_model"):
+            hooks.add("prepare_model")
+    assert {"aggregate_updates", "receive", "batch_loss", "shares", "statistics"} <= hooks
+    missing = sorted(hook for hook in hooks if not re.search(rf"`{hook}\b", GUIDE))
+    assert missing == []
+
+
+def test_the_guide_walks_through_a_real_method_file():
+    source = (ROOT / "protofl" / "strategies" / "fedproto.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE, re.S)
+    assert len(blocks) >= 3
+    for block in blocks:  # each excerpt is in the file as it is today (signatures may be shortened)
+        for line in block.splitlines():
+            if line.strip() and not line.lstrip().startswith("def aggregate_updates"):
+                assert line in source, line
