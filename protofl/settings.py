@@ -111,6 +111,11 @@ class MethodOptions:
         """Whether the model entry ``name`` is exchanged with the server (default: all of them)."""
         return True
 
+    @classmethod
+    def statistics_dim(cls, num_classes: int, feature_dim: int) -> int:
+        """The length of each class's vector in the class statistics."""
+        return num_classes if cls.statistics == "logit" else feature_dim
+
 
 # ---------------------------------------------------------------------------------------
 # The experiment

@@ -230,7 +230,7 @@ class PrototypeClient(NumPyClient):
         skip = 0
         if prototype_pass == "last-epoch":
             skip = (self.settings.local_epochs - 1) * steps_per_epoch(self.data.num_train, self.settings.batch_size)
-        dim = self.data.num_classes if self.options.statistics == "logit" else self.model.feature_dim
+        dim = self.options.statistics_dim(self.data.num_classes, self.model.feature_dim)
         return FeatureSums(self.data.num_classes, dim, self.device, skip)
 
     def local_prototypes(self, seen: FeatureSums | None = None) -> np.ndarray:

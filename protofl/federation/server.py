@@ -158,9 +158,6 @@ class PrototypeStrategy(Strategy):
         and the shapes and dtypes every client's parameters must have."""
         return [self.initial_weights[i] for i in self.shared_indices]
 
-    def statistics_dim(self) -> int:
-        return self.num_classes if self.options.statistics == "logit" else self.feature_dim
-
     # --- partitions and sampling --------------------------------------------------------
 
     def discover_partitions(self, client_manager: ClientManager) -> None:
@@ -270,7 +267,8 @@ class PrototypeStrategy(Strategy):
         statistics = None
         if self.options.statistics is not None:
             statistics = ClassStatistics.from_metrics(
-                metrics, self.num_classes, self.statistics_dim(), res.num_examples, self.max_payload_bytes
+                metrics, self.num_classes, self.options.statistics_dim(self.num_classes, self.feature_dim),
+                res.num_examples, self.max_payload_bytes,
             )
         update = ClientUpdate(pid, res.num_examples, parameters, statistics, metrics)
         self.check_update(update)
