@@ -159,9 +159,9 @@ class ExperimentSettings:
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "ExperimentSettings":
         """Build from Flower's flat run config; unknown or mistyped top-level keys are errors."""
-        top_level = {k: v for k, v in run_config.items() if "." not in k and k != "options"}
-        if "options" in run_config:
+        if "options" in run_config:  # a field, but not a key: the method's table arrives as dotted keys
             raise ValueError("unknown run-config key 'options'")
+        top_level = {k: v for k, v in run_config.items() if "." not in k}
         values = parse_fields(cls, top_level, unknown="run-config key")
         method = str(values.get("method", cls.method))
         settings = cls(**values, options=method_options(run_config, method))

@@ -167,7 +167,7 @@ class PrototypeClient(NumPyClient):
         if len(arrays) != len(self.shared_names):
             raise ValueError(f"got {len(arrays)} arrays, this method shares {len(self.shared_names)} model entries")
         state = self.model.state_dict()
-        loaded = {name: torch.as_tensor(np.asarray(a), dtype=state[name].dtype) 
+        loaded = {name: torch.as_tensor(np.asarray(a), dtype=state[name].dtype)
                   for name, a in zip(self.shared_names, arrays)}
         self.model.load_state_dict(loaded, strict=False)
 
@@ -181,12 +181,17 @@ class PrototypeClient(NumPyClient):
         """A C x d array of the server's config (anchors, prototypes); None when not sent."""
         return decode_class_vectors(config, name, self.data.num_classes, self.model.feature_dim, self.max_payload_bytes)
 
+    def received_masked_vectors(
+        self, config: Mapping[str, Scalar], name: str, dim: int | None = None
+    ) -> ClassVectors | None:
+        """Class vectors (``dim``: the feature size unless given) and their mask; None when not sent."""
+        dim = dim or self.model.feature_dim
+        return ClassVectors.from_config(config, name, self.data.num_classes, dim, self.max_payload_bytes)
+
     def global_prototypes(self, config: Mapping[str, Scalar]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The server's (C x d prototypes, C mask of classes that have one) on this client's
         device; None before the server has any."""
-        received = ClassVectors.from_config(
-            config, GLOBAL_PROTOTYPES, self.data.num_classes, self.model.feature_dim, self.max_payload_bytes
-        )
+        received = self.received_masked_vectors(config, GLOBAL_PROTOTYPES)
         if received is None:
             return None
         return torch.from_numpy(received.vectors).to(self.device), torch.from_numpy(received.mask).to(self.device)

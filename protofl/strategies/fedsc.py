@@ -168,7 +168,7 @@ class FedSCClient(PrototypeClient):
         num_classes, dim = self.data.num_classes, self.model.feature_dim
         relational = self.received(config, RELATIONAL_PROTOTYPES, ArraySpec((None, dim)))
         labels = self.received(config, RELATIONAL_LABELS, ArraySpec((None,), ("int64",), nonnegative=True))
-        consistent = ClassVectors.from_config(config, CONSISTENT_PROTOTYPES, num_classes, dim, self.max_payload_bytes)
+        consistent = self.received_masked_vectors(config, CONSISTENT_PROTOTYPES)
         self.server_prototypes = None
         if relational is None or labels is None or consistent is None:
             return

@@ -183,8 +183,7 @@ class FedSKCClient(PrototypeClient):
         """The global model, the available classes' knowledge vectors and their class ids (None
         before there is any), and LCL's weight this round."""
         self.load_shared(parameters)
-        num_classes = self.data.num_classes
-        received = ClassVectors.from_config(config, GLOBAL_KNOWLEDGE, num_classes, num_classes, self.max_payload_bytes)
+        received = self.received_masked_vectors(config, GLOBAL_KNOWLEDGE, dim=self.data.num_classes)
         self.global_knowledge = None
         if self.options.use_lcl and received is not None and received.mask.any():
             classes = np.flatnonzero(received.mask)
