@@ -160,6 +160,8 @@ def summary_text(results: Mapping[str, Any], directory: Path) -> str:
         for key, s in results["summary"].items()
         if s
     ]
+    if results.get("stopped"):
+        lines.append(f"stopped early: {results['stopped']}")
     lines.append(f"results written to {directory}")
     return "\n".join(lines)
 

@@ -3,13 +3,15 @@ protofl's summary at the end."""
 
 from __future__ import annotations
 
-from logging import INFO
+import time
+from logging import ERROR, INFO
 from typing import Any, Callable, Mapping
 
 from flwr.common import Context
 from flwr.common.logger import log
 from flwr.server import History, Server, ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 
+from protofl.federation.server import RunStopped
 from protofl.report import summary_text
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
@@ -27,11 +29,18 @@ class RunSummary(History):
 
 
 class PrototypeServer(Server):
-    """Flower's Server loop, plus the strategy's final files and summary once all rounds are done."""
+    """Flower's Server loop, plus the strategy's final files and summary once all rounds are done,
+    or once a round stops the run (:class:`RunStopped`: one error line, no traceback)."""
 
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
-        history, elapsed = super().fit(num_rounds, timeout)
+        started = time.perf_counter()
         recorder = self.strategy.recorder
+        try:
+            history, elapsed = super().fit(num_rounds, timeout)
+        except RunStopped as stop:
+            log(ERROR, "protofl: the run stopped. %s", stop)
+            history, elapsed = History(), time.perf_counter() - started
+            recorder.extra["stopped"] = str(stop)
         recorder.extra["total_seconds"] = elapsed
         summary = RunSummary()
         summary.__dict__.update(history.__dict__)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 
 from protofl.task.partition import PartitionScheme, PartitionSpec
+from protofl.task.train import BatchNormStats, PartialBatch
 
 EvaluateClients = Literal["sampled", "all"]
 
@@ -142,6 +143,8 @@ class ExperimentSettings:
     eval_every: int = 1
     local_epochs: int = 2
     batch_size: int = 10
+    partial_batch: PartialBatch = "drop"
+    batchnorm_stats: BatchNormStats = "auto"
     lr: float = 0.05
     lr_decay: float = 1.0
     momentum: float = 0.0

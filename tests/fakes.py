@@ -1,5 +1,8 @@
-"""Stand-ins for Flower's runtime in strategy tests."""
+"""Stand-ins for Flower's runtime in strategy tests, and data files in real on-disk formats."""
 
+import pickle
+
+import numpy as np
 from flwr.common import Code, Status
 from flwr.server.client_proxy import ClientProxy
 
@@ -12,3 +15,21 @@ class FakeProxy(ClientProxy):
     def fit(self, ins, timeout, group_id): ...
     def evaluate(self, ins, timeout, group_id): ...
     def reconnect(self, ins, timeout, group_id): ...
+
+
+def write_cifar(root, num_classes, train_sizes, test_size, seed=0):
+    """Random CIFAR-shaped images and labels in torchvision's on-disk layout under ``root`` (one
+    training batch file per entry of ``train_sizes``); returns the batches by file name."""
+    rng = np.random.default_rng(seed)
+    folder = root / ("cifar-10-batches-py" if num_classes == 10 else "cifar-100-python")
+    folder.mkdir()
+    label_key = "labels" if num_classes == 10 else "fine_labels"
+    names = [f"data_batch_{i + 1}" for i in range(len(train_sizes))] if num_classes == 10 else ["train"]
+    batches = {}
+    for name, size in list(zip(names, train_sizes)) + [("test_batch" if num_classes == 10 else "test", test_size)]:
+        batch = {"data": rng.integers(0, 256, (size, 3072)).astype(np.uint8),
+                 label_key: rng.integers(0, num_classes, size).tolist(), "filenames": [f"{i}.png" for i in range(size)]}
+        with open(folder / name, "wb") as handle:
+            pickle.dump(batch, handle, protocol=2)
+        batches[name] = batch
+    return batches

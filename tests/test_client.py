@@ -2,6 +2,7 @@
 Flower's runtime."""
 
 import numpy as np
+import pytest
 import torch
 from flwr.app import RecordDict
 
@@ -17,7 +18,7 @@ from protofl.federation.wire import (
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgClient
 from protofl.strategies.fedproto import FedProtoClient
-from protofl.task.data import load_client_data
+from protofl.task.data import ClientData, load_client_data
 from protofl.task.models import build_model
 from protofl.task.train import class_means, features_and_logits
 from protofl.task.weights import get_weights
@@ -145,8 +146,9 @@ def test_feature_sums_and_training_mode_prototypes():
 
     # FedProto's "during-train" prototypes: the features seen while training; with lr 0 nothing
     # moves and the CNN (no BatchNorm, no dropout) gives the eval pass's means; a class whose
-    # samples were never seen is filled from an eval pass
-    config = ExperimentSettings(method="fedproto", local_epochs=1, lr=0.0, options={"prototype-pass": "during-train"})
+    # samples were never seen is filled from an eval pass ("keep": every sample is seen)
+    config = ExperimentSettings(method="fedproto", local_epochs=1, lr=0.0, partial_batch="keep",
+                                options={"prototype-pass": "during-train"})
     client = make_client(FedProtoClient, RecordDict(), config)
     _, _, metrics = client.fit([], {"server-round": 1, "seed": 3})
     prototypes = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
@@ -160,3 +162,25 @@ def test_feature_sums_and_training_mode_prototypes():
     during = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
     after, _ = class_means(features_and_logits(moved.model, moved.data.train_x)[0], moved.data.train_y, 10)
     assert not np.allclose(during, after, atol=1e-3)  # features from before each step differ
+
+
+@pytest.mark.parametrize("batchnorm_stats", ["auto", "running"])  # "running": the batch rule alone
+def test_a_batchnorm_client_uploads_class_means_of_the_size_of_its_training_features(batchnorm_stats):
+    """Issue 23: a skewed client of 202 CIFAR-shaped images trains tv-resnet18 for one epoch at batch
+    10, lr 0.005. A last step on the two-sample remainder made its uploaded (eval-mode) class means
+    8.5e15 where its training-mode ones are 19; 12 since that remainder is dropped."""
+    rng = np.random.default_rng(0)
+    n = 202
+    labels = torch.from_numpy(rng.choice(10, n + 10, p=[0.8, 0.15, 0.05] + [0.0] * 7))
+    images = torch.from_numpy((rng.integers(0, 256, (n + 10, 3, 32, 32)) / 127.5 - 1.0).astype(np.float32))
+    data = ClientData(0, 10, images[:n], labels[:n], images[n:], labels[n:])
+    settings = ExperimentSettings(method="fedproto", model="tv-resnet18", local_epochs=1, batch_size=10, lr=0.005,
+                                  batchnorm_stats=batchnorm_stats)
+    client = FedProtoClient(settings, data, build_model("tv-resnet18", 3, 10, 32, seed=0), 1, RecordDict())
+    _, _, metrics = client.fit([], {"server-round": 1, "seed": 0})
+    uploaded = np.linalg.norm(decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24), axis=1)
+    client.model.train()
+    with torch.no_grad():
+        features = torch.cat([client.model(x)[0] for x in data.train_x.split(10)])
+    training_mode = np.linalg.norm(class_means(features, data.train_y, 10)[0], axis=1)
+    assert uploaded.max() < 2 * training_mode.max()

@@ -8,6 +8,7 @@ import struct
 import datasets
 import numpy as np
 import pytest
+from fakes import write_cifar
 from PIL import Image
 
 from protofl.task import data
@@ -44,21 +45,6 @@ def test_idx_with_wrong_length_is_refused(tmp_path):
     path.write_bytes(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 9)
     with pytest.raises(ValueError, match="header says"):
         data.read_idx(path)
-
-
-def write_cifar(root, num_classes, train_sizes, test_size):
-    folder = root / ("cifar-10-batches-py" if num_classes == 10 else "cifar-100-python")
-    folder.mkdir()
-    label_key = "labels" if num_classes == 10 else "fine_labels"
-    names = [f"data_batch_{i + 1}" for i in range(len(train_sizes))] if num_classes == 10 else ["train"]
-    batches = {}
-    for name, size in list(zip(names, train_sizes)) + [("test_batch" if num_classes == 10 else "test", test_size)]:
-        batch = {"data": RNG.integers(0, 256, (size, 3072)).astype(np.uint8),
-                 label_key: RNG.integers(0, num_classes, size).tolist(), "filenames": [f"{i}.png" for i in range(size)]}
-        with open(folder / name, "wb") as handle:
-            pickle.dump(batch, handle, protocol=2)
-        batches[name] = batch
-    return batches
 
 
 def test_cifar10_torchvision_layout(tmp_path):

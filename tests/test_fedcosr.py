@@ -29,7 +29,7 @@ from protofl.strategies.fedcosr import (
     sample_infonce_losses,
 )
 from protofl.task.data import load_client_data, load_dataset
-from protofl.task.train import class_means, features_and_logits, steps_per_epoch, train
+from protofl.task.train import class_means, features_and_logits, train
 from protofl.task.weights import get_weights
 
 
@@ -73,10 +73,6 @@ def test_info_nce_takes_own_class_positive_and_every_other_prototype_negative():
     # all prototypes equal: log C
     same = sample_infonce_losses(torch.randn(5, 2), torch.zeros(5, dtype=torch.long), torch.ones(3, 2), everything, 0.1)
     np.testing.assert_allclose(same.numpy(), math.log(3), rtol=1e-6)
-
-
-def test_steps_per_epoch_counts_what_the_training_loop_takes():
-    assert [steps_per_epoch(n, 10) for n in (20, 21, 25, 1, 9)] == [2, 2, 3, 1, 1]
 
 
 def make_client(state, **options):

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def test_flwr_run_fedproto_two_rounds(tmp_path):
+def flwr_run(tmp_path, run_config):
+    """`flwr run . --stream` with ``run_config``; the finished process (output captured)."""
     home = tmp_path / "flwr-home"
     bin_dir = Path(sys.executable).parent  # flwr spawns flower-superlink etc. from PATH
     env = os.environ | {
@@ -26,13 +27,19 @@ def test_flwr_run_fedproto_two_rounds(tmp_path):
     }
     command = [
         str(bin_dir / "flwr"), "run", str(ROOT), "--stream",
-        "--run-config", f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='e2e'",
+        "--run-config", f"{run_config} output-dir='{tmp_path}' run-name='e2e'",
         "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
     ]
     try:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     finally:
         kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
+    assert not pids_with_argument(str(home))
+    return run
+
+
+def test_flwr_run_fedproto_two_rounds(tmp_path):
+    run = flwr_run(tmp_path, "method='fedproto' num-server-rounds=2")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"results written to {tmp_path / 'e2e'}" in run.stdout
     results = json.loads((tmp_path / "e2e" / "results.json").read_text())
@@ -40,4 +47,12 @@ def test_flwr_run_fedproto_two_rounds(tmp_path):
     assert results["run_config"]["method"] == "fedproto"
     assert results["rounds"][1]["bytes_down"] > 0  # global prototypes went out in round 2
     assert results["rounds"][1]["personalized_accuracy"] > 0.5
-    assert not pids_with_argument(str(home))
+
+
+def test_a_diverged_run_ends_with_one_line_and_no_traceback(tmp_path):
+    run = flwr_run(tmp_path, "method='fedavg' num-server-rounds=3 lr=1e12")
+    results = json.loads((tmp_path / "e2e" / "results.json").read_text())
+    assert results["stopped"].startswith("round 1: 0 of 3 client updates usable")
+    assert f"protofl: the run stopped. {results['stopped']}" in run.stdout
+    assert "Traceback" not in run.stdout + run.stderr
+    assert f"results written to {tmp_path / 'e2e'}" in run.stdout

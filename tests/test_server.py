@@ -7,6 +7,7 @@ import pytest
 from fakes import OK, FakeProxy
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
+from protofl.federation.server import DIVERGED_HINT, RunStopped, too_few_updates
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgStrategy
@@ -55,8 +56,21 @@ def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
     good = proto_result(0, np.ones((C, D), np.float32), np.ones(C, np.int64))
     missing = proto_result(1, np.ones((C, D), np.float32), np.ones(C, np.int64))
     del missing[1].metrics[CLASS_COUNTS]
-    with pytest.raises(RuntimeError, match="only 1 valid client updates, 2 required"):
+    with pytest.raises(RunStopped) as stop:
         strategy.aggregate_fit(1, [good, missing], [RuntimeError("client crashed")])
+    assert str(stop.value) == (
+        "round 1: 1 of 3 client updates usable, 2 required. 1 dropped: missing 'class-counts' (1). "
+        "1 failed: RuntimeError: client crashed (1). See the failed clients' logs"
+    )
+
+
+def test_a_round_whose_losses_all_diverged_names_the_cause_and_a_hint():
+    dropped = ["train-loss must be a finite number, got nan"] * 19 + ["train-loss must be a finite number, got inf"]
+    reason = too_few_updates(2, 0, 2, dropped, [])
+    assert reason.startswith("round 2: 0 of 20 client updates usable, 2 required. 20 dropped: "
+                             "train-loss must be a finite number, got nan (19); "
+                             "train-loss must be a finite number, got inf (1)")
+    assert reason.endswith(DIVERGED_HINT)
 
 
 def test_updates_must_come_from_the_node_holding_the_partition(tmp_path, caplog):
@@ -120,3 +134,30 @@ def test_personalized_metrics_aggregate_across_clients(tmp_path):
 def test_evaluation_runs_every_eval_every_rounds_and_in_the_last(tmp_path):
     config = ExperimentSettings(eval_every=3, num_server_rounds=10)
     assert [r for r in range(1, 11) if config.is_eval_round(r)] == [3, 6, 9, 10]
+
+
+def test_a_run_without_usable_updates_stops_with_one_line_and_keeps_its_results(tmp_path, monkeypatch, caplog):
+    from inprocess import run_in_process
+
+    from protofl.federation.client import PrototypeClient
+    from protofl.federation.wire import TRAIN_LOSS, server_round
+
+    fit = PrototypeClient.fit
+
+    def diverging_in_round_2(self, parameters, config):
+        arrays, num_examples, metrics = fit(self, parameters, config)
+        return arrays, num_examples, metrics | ({TRAIN_LOSS: float("nan")} if server_round(config) == 2 else {})
+
+    monkeypatch.setattr(PrototypeClient, "fit", diverging_in_round_2)
+    run_config = {"method": "fedavg", "num-server-rounds": 4, "local-epochs": 1, "global-test-pm": False,
+                  "output-dir": str(tmp_path), "run-name": "run"}
+    strategy, messages = run_in_process(run_config, num_nodes=2)  # returns: no exception escapes
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["stopped"] == (
+        "round 2: 0 of 2 client updates usable, 2 required. 2 dropped: train-loss must be a finite number, "
+        f"got nan (2). {DIVERGED_HINT}"
+    )
+    assert results["rounds"][0]["global_accuracy"] > 0.3  # round 1 was kept
+    assert [kind for kind, _, _ in messages].count("fit") == 4  # two rounds of two clients, then no more
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"protofl: the run stopped. {results['stopped']}"]

@@ -2,7 +2,8 @@
 
 ``fit``: ``receive`` (the model to train from, what the server sent) -> the one call to
 :func:`protofl.task.train.train`, with ``batch_loss`` added to the cross-entropy of every
-mini-batch -> ``local_statistics`` (per-class means of ``prototype_vectors`` and the class counts,
+mini-batch -> BatchNorm statistics recomputed on the training split (``batchnorm-stats``) ->
+``local_statistics`` (per-class means of ``prototype_vectors`` and the class counts,
 when the method uploads them) -> ``after_fit`` (what to keep, extra metrics) -> the shared model
 entries, the training size and the metrics go up.
 
@@ -55,6 +56,8 @@ from protofl.task.train import (
     features_and_logits,
     head_loss_and_correct,
     head_prediction,
+    recompute_batchnorm_stats,
+    stale_batchnorm,
     steps_per_epoch,
     train,
 )
@@ -143,6 +146,8 @@ class PrototypeClient(NumPyClient):
             self.model, self.data.train_x, self.data.train_y,
             extra_loss=self._extra_loss(seen), **self.train_kwargs(config),
         )
+        if self.recompute_batchnorm():
+            recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed))
         metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)}
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
         if statistics is not None:
@@ -206,12 +211,23 @@ class PrototypeClient(NumPyClient):
         return {
             "epochs": s.local_epochs,
             "batch_size": s.batch_size,
+            "partial_batch": s.partial_batch,
             "lr": s.round_lr(server_round(config)),
             "momentum": s.momentum,
             "weight_decay": s.weight_decay,
             "max_grad_norm": s.max_grad_norm,
             "seed": round_seed(config, s.seed),
         }
+
+    def recompute_batchnorm(self) -> bool:
+        """Whether the BatchNorm statistics are recomputed after local training (``batchnorm-stats``)."""
+        mode = self.settings.batchnorm_stats
+        steps = self.settings.local_epochs * self.steps_per_epoch()
+        return mode == "recompute" or (mode == "auto" and stale_batchnorm(self.model, steps))
+
+    def steps_per_epoch(self) -> int:
+        """Optimiser steps of one local epoch."""
+        return steps_per_epoch(self.data.num_train, self.settings.batch_size, self.settings.partial_batch)
 
     def _extra_loss(self, seen: FeatureSums | None):
         has_loss = type(self).batch_loss is not PrototypeClient.batch_loss
@@ -234,7 +250,7 @@ class PrototypeClient(NumPyClient):
             return None
         skip = 0
         if prototype_pass == "last-epoch":
-            skip = (self.settings.local_epochs - 1) * steps_per_epoch(self.data.num_train, self.settings.batch_size)
+            skip = (self.settings.local_epochs - 1) * self.steps_per_epoch()
         dim = self.options.statistics_dim(self.data.num_classes, self.model.feature_dim)
         return FeatureSums(self.data.num_classes, dim, self.device, skip)
 

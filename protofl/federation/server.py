@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, Mapping, Sequence
@@ -100,6 +101,36 @@ def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = 
     """The clients' parameters averaged layer-wise, weighted by their training sizes or unweighted."""
     weights = [u.num_examples if by_sample_count else 1 for u in updates]
     return weighted_average([u.parameters for u in updates], weights)
+
+
+class RunStopped(Exception):
+    """A round cannot go on: the run ends with this one-line reason, its results so far saved."""
+
+
+DIVERGED_HINT = (
+    "A non-finite train loss means local training diverged: lower lr, set max-grad-norm, "
+    "keep partial-batch='drop' with BatchNorm models (README: 'Training and BatchNorm')"
+)
+
+
+def too_few_updates(
+    server_round: int, usable: int, required: int, dropped: Sequence[str], failures: Sequence[str]
+) -> str:
+    """The reason a round ends the run: what happened to the updates (the commonest reasons, with
+    counts) and a hint on what to change."""
+    received = usable + len(dropped) + len(failures)
+    parts = [f"round {server_round}: {usable} of {received} client updates usable, {required} required"]
+    for label, reasons in (("dropped", dropped), ("failed", failures)):
+        if reasons:
+            common = Counter(reasons).most_common(3)
+            listed = "; ".join(f"{reason} ({count})" for reason, count in common)
+            more = len(set(reasons)) - len(common)
+            parts.append(f"{len(reasons)} {label}: {listed}" + (f"; {more} other reasons" if more > 0 else ""))
+    if any(TRAIN_LOSS in reason for reason in dropped):
+        parts.append(DIVERGED_HINT)
+    elif failures:
+        parts.append("See the failed clients' logs")
+    return ". ".join(parts)
 
 
 class PrototypeStrategy(Strategy):
@@ -227,7 +258,7 @@ class PrototypeStrategy(Strategy):
         self.round_started = time.perf_counter()  # after discovery, which also starts the clients
         available = self._available_partitions(client_manager)
         if not available:
-            raise RuntimeError("no client reported a partition id; cannot sample clients")
+            raise RunStopped(f"round {server_round}: no client reported a partition id; cannot sample clients")
         s = self.settings
         self.sampled = sample_partitions(available, s.fraction_fit, s.min_fit_clients, s.seed, server_round)
         configs = self.round_configs(server_round, self.sampled)
@@ -280,20 +311,20 @@ class PrototypeStrategy(Strategy):
         results: list[tuple[ClientProxy, FitRes]],
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        for failure in failures:
-            log(WARNING, "round %d: a client failed: %s", server_round, _describe(failure))
+        failed = [_describe(failure) for failure in failures]
+        for reason in failed:
+            log(WARNING, "round %d: a client failed: %s", server_round, reason)
         updates: list[ClientUpdate] = []
+        dropped: list[str] = []
         for proxy, res in results:
             try:
                 updates.append(self._parse_fit_result(proxy, res))
             except PayloadError as err:
                 log(WARNING, "round %d: dropped the update of node %s: %s", server_round, proxy.cid, err)
+                dropped.append(str(err))
         required = min(self.settings.min_fit_clients, len(self.sampled))
         if len(updates) < required:
-            raise RuntimeError(
-                f"round {server_round}: only {len(updates)} valid client updates, "
-                f"{required} required (min-fit-clients); see the warnings above"
-            )
+            raise RunStopped(too_few_updates(server_round, len(updates), required, dropped, failed))
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
         new_parameters = self.aggregate_updates(server_round, updates)
         weights = [u.num_examples for u in updates]

@@ -43,7 +43,7 @@ from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_p
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors, PayloadError
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import aggregate_prototypes
-from protofl.task.train import features_and_logits, steps_per_epoch
+from protofl.task.train import features_and_logits
 
 LOCAL_AGGREGATION_WEIGHT = "la-tau"  # tau of Eq. 7, reported by each client
 CONTRASTIVE_LOSS = "contrastive-loss"  # L_Reg: the last local epoch's mean InfoNCE
@@ -198,7 +198,7 @@ class FedCoSRClient(PrototypeClient):
     def after_fit(self, statistics):
         """tau, L_Reg of the last local epoch (kept for the next tau); the model stays here."""
         metrics = {LOCAL_AGGREGATION_WEIGHT: float(self.tau)}
-        last = steps_per_epoch(self.data.num_train, self.settings.batch_size)
+        last = self.steps_per_epoch()
         counted = sum(self.contrastive_counts[-last:])
         if counted:
             l_reg = float(torch.stack(self.contrastive_sums[-last:]).sum()) / counted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Literal
 
 import numpy as np
@@ -15,6 +16,13 @@ ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | 
 # in training (every epoch, or the last one)
 PrototypePass = Literal["post-eval", "during-train", "last-epoch"]
 PostOrLastEpochPass = Literal["post-eval", "last-epoch"]
+# BatchNorm statistics after local training: recomputed on the training split when the running
+# averages are still mostly those from before training ("auto"), always, or never (the running
+# averages, PyTorch's default and the papers' code)
+BatchNormStats = Literal["auto", "recompute", "running"]
+# the batch left over when the batch size does not divide the training split: dropped each epoch
+# (PFLlib's and HtFLlib's drop_last), or trained on (a one-sample batch is always skipped)
+PartialBatch = Literal["drop", "keep"]
 
 
 def get_device() -> torch.device:
@@ -34,11 +42,14 @@ def train(
     weight_decay: float = 0.0,
     max_grad_norm: float = 0.0,
     extra_loss: ExtraLoss | None = None,
+    partial_batch: PartialBatch = "drop",
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
-    The batch order comes from ``seed``. A trailing batch of one sample is skipped
-    (BatchNorm cannot train on it). ``max_grad_norm > 0`` clips the total gradient norm.
+    The batch order comes from ``seed``. The trailing partial batch of an epoch is dropped, or
+    with ``partial_batch="keep"`` trained on unless it holds one sample; a split smaller than one
+    batch is always one batch. A BatchNorm layer trained on a batch of two or three takes a step
+    that can wreck the model (see docs/results.md). ``max_grad_norm > 0`` clips the total gradient norm.
     Only parameters with ``requires_grad`` are optimised (buffers, e.g. a frozen head, never are).
     """
     model.train()
@@ -52,7 +63,7 @@ def train(
         order = torch.randperm(n, generator=generator).to(x.device)
         for start in range(0, n, batch_size):
             batch = order[start : start + batch_size]
-            if _skipped(len(batch), n):
+            if _skipped(len(batch), n, batch_size, partial_batch):
                 continue
             features, logits = model(x[batch])
             loss = F.cross_entropy(logits, y[batch])
@@ -69,13 +80,55 @@ def train(
     return float(total) / max(steps, 1)
 
 
-def _skipped(batch: int, n: int) -> bool:
-    return batch == 1 and n > 1
+def _skipped(batch: int, n: int, batch_size: int, partial_batch: PartialBatch) -> bool:
+    if batch == n or batch == batch_size:
+        return False
+    return partial_batch == "drop" or batch == 1
 
 
-def steps_per_epoch(n: int, batch_size: int) -> int:
+def steps_per_epoch(n: int, batch_size: int, partial_batch: PartialBatch = "drop") -> int:
     """Optimiser steps :func:`train` takes per epoch over ``n`` samples."""
-    return sum(not _skipped(min(batch_size, n - start), n) for start in range(0, n, batch_size))
+    starts = range(0, n, batch_size)
+    return sum(not _skipped(min(batch_size, n - start), n, batch_size, partial_batch) for start in starts)
+
+
+def _batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+def stale_batchnorm(model: nn.Module, steps: int, tolerance: float = 0.01) -> bool:
+    """Whether, after ``steps`` training steps, the running statistics of some BatchNorm layer
+    still hold more than ``tolerance`` of what they were before: (1 - momentum)^steps, e.g. fewer
+    than 44 steps at PyTorch's momentum 0.1 (a cumulative average, momentum None, always is)."""
+    return any(m.momentum is None or (1.0 - m.momentum) ** steps > tolerance for m in _batchnorms(model))
+
+
+@torch.no_grad()
+def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, chunk_size: int = 1024) -> None:
+    """Replace the running mean and variance of every BatchNorm layer by those of ``x`` under the
+    model's current weights: one no-grad pass with only the BatchNorm layers in training mode,
+    over a seeded shuffle of ``x`` in chunks of near-equal size (each chunk counts equally).
+
+    The running averages of training lag the weights: after a few steps they are still mostly the
+    initial ones, and an eval-mode pass through a deep network can be off by orders of magnitude.
+    """
+    norms = _batchnorms(model)
+    if not norms or len(x) < 2:
+        return
+    was_training = model.training
+    kept = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    model.eval()
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over the chunks
+        m.train()
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).to(x.device)
+    for chunk in order.tensor_split(math.ceil(len(x) / chunk_size)):
+        model(x[chunk])
+    for m, (momentum, tracked) in zip(norms, kept):
+        m.momentum = momentum
+        m.num_batches_tracked.copy_(tracked)
+    model.train(was_training)
 
 
 @torch.no_grad()

@@ -1,0 +1,61 @@
+"""The local training loop: which mini-batches an epoch takes."""
+
+import pytest
+import torch
+from torch import nn
+
+from protofl.task.models import SplitModel
+from protofl.task.train import steps_per_epoch, train
+
+
+def batch_sizes(n, batch_size, partial_batch, epochs=1):
+    """The sizes of the mini-batches :func:`train` trains on, in order."""
+    model = SplitModel(nn.Flatten(), nn.Linear(2, 3), 2)
+    sizes = []
+    train(model, torch.zeros(n, 2), torch.zeros(n, dtype=torch.long), epochs=epochs, batch_size=batch_size,
+          lr=0.1, seed=0, partial_batch=partial_batch, extra_loss=lambda f, logits, y: sizes.append(len(y)))
+    return sizes
+
+
+@pytest.mark.parametrize("n, drop, keep", [
+    (20, [10, 10], [10, 10]),
+    (22, [10, 10], [10, 10, 2]),  # the remainder of two: dropped by default (issue 23)
+    (25, [10, 10], [10, 10, 5]),
+    (21, [10, 10], [10, 10]),  # a one-sample batch is never trained on
+    (9, [9], [9]),  # a split smaller than one batch is one batch
+    (1, [1], [1]),
+])
+def test_an_epoch_drops_or_keeps_the_partial_batch(n, drop, keep):
+    assert batch_sizes(n, 10, "drop") == drop and batch_sizes(n, 10, "keep") == keep
+    assert steps_per_epoch(n, 10) == len(drop) and steps_per_epoch(n, 10, "keep") == len(keep)
+    assert batch_sizes(n, 10, "drop", epochs=3) == drop * 3
+
+
+def test_recomputed_batchnorm_statistics_are_those_of_the_data():
+    from protofl.task.train import recompute_batchnorm_stats
+
+    norm = nn.BatchNorm1d(2)
+    model = nn.Sequential(norm, nn.Dropout(0.5))
+    model.train()
+    norm.num_batches_tracked.fill_(7)
+    x = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
+    recompute_batchnorm_stats(model, x)
+    assert norm.running_mean.tolist() == [2.0, 4.0] and norm.running_var.tolist() == [2.0, 8.0]  # unbiased
+    assert norm.momentum == 0.1 and int(norm.num_batches_tracked) == 7 and model.training
+    # in equal chunks (a seeded shuffle), each chunk's statistics count equally
+    x = torch.arange(8.0).reshape(4, 2) ** 2
+    recompute_batchnorm_stats(model, x, chunk_size=2)
+    assert torch.allclose(norm.running_mean, x.mean(0))
+    model.eval()
+    assert torch.allclose(model(x), (x - norm.running_mean) / torch.sqrt(norm.running_var + norm.eps))
+
+
+def test_batchnorm_statistics_are_stale_while_they_hold_over_one_percent_of_the_old_ones():
+    from protofl.task.train import stale_batchnorm
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    assert stale_batchnorm(model, 43) and not stale_batchnorm(model, 44)  # 0.9^43 = 0.0108, 0.9^44 = 0.0097
+    assert not stale_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.GroupNorm(1, 2)), 0)
+    assert not stale_batchnorm(nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)), 0)
+    model[1].momentum = None
+    assert stale_batchnorm(model, 1000)
