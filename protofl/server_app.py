@@ -15,7 +15,7 @@ from protofl.federation.server import RunStopped
 from protofl.report import summary_text
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
-from protofl.task.data import load_dataset, load_global_test
+from protofl.task.data import load_dataset, load_global_test, partition_sizes
 from protofl.task.train import get_device
 
 
@@ -57,7 +57,14 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         dataset = load_dataset(settings.dataset, settings.data_dir)
         model = build_method_model(settings, dataset)
         global_test = load_global_test(settings.dataset, settings.data_dir, str(get_device()))
-        strategy = strategy_class(settings, model, dataset.num_classes, global_test)
+        sizes = None
+        if settings.verify_partitions:  # the server's copy of the data set says what each partition holds
+
+            def sizes(num_partitions: int, partition_id: int):
+                spec = settings.partition_spec(num_partitions)
+                return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
+
+        strategy = strategy_class(settings, model, dataset.num_classes, global_test, partition_sizes=sizes)
         log(
             INFO, "protofl: %s on %s (%s partition), %d rounds; results go to %s",
             settings.method, settings.dataset, settings.partition, settings.num_server_rounds,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 
 from protofl.task.partition import PartitionScheme, PartitionSpec
+from protofl.task.robust import RobustRule
 from protofl.task.train import BatchNormStats, PartialBatch
 
 EvaluateClients = Literal["sampled", "all"]
@@ -153,6 +154,15 @@ class ExperimentSettings:
     model: str = "cnn"
     seed: int = 0
     max_payload_mb: float = 64.0
+    num_partitions: int = 0
+    verify_partitions: bool = True
+    screen_factor: float = 10.0
+    aggregation: RobustRule = "method"
+    prototype_aggregation: RobustRule = "method"
+    trim_fraction: float = 0.2
+    dp_clip: float = 0.0
+    dp_noise: float = 0.0
+    dp_delta: float = 1e-5
     global_test_pm: bool = True
     global_test_pm_per_class: int = 0
     output_dir: str = "~/protofl-runs"
@@ -190,6 +200,14 @@ class ExperimentSettings:
             raise ValueError(f"lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:
             raise ValueError("max-grad-norm and global-test-pm-per-class must be >= 0")
+        if self.num_partitions < 0 or self.screen_factor < 0 or self.dp_clip < 0 or self.dp_noise < 0:
+            raise ValueError("num-partitions, screen-factor, dp-clip and dp-noise must be >= 0")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if self.dp_noise > 0 and self.dp_clip <= 0:
+            raise ValueError("dp-noise needs dp-clip > 0: the norm bound that the noise is scaled to")
+        if not 0.0 < self.dp_delta < 1.0:
+            raise ValueError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
 
     def round_lr(self, server_round: int) -> float:
         """The client learning rate of a round: lr * lr-decay^(round - 1)."""

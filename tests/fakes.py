@@ -17,6 +17,16 @@ class FakeProxy(ClientProxy):
     def reconnect(self, ins, timeout, group_id): ...
 
 
+def start_round(strategy, sampled, num_partitions=None):
+    """What configure_fit leaves behind: partitions 0..n-1 held by nodes "100", "101", ..., and the
+    ``sampled`` ones asked to train."""
+    sampled = list(sampled)
+    n = num_partitions or max(sampled) + 1
+    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(n)}
+    strategy.sampled = sampled
+    strategy.asked = {str(100 + p): p for p in sampled}
+
+
 def write_cifar(root, num_classes, train_sizes, test_size, seed=0):
     """Random CIFAR-shaped images and labels in torchvision's on-disk layout under ``root`` (one
     training batch file per entry of ``train_sizes``); returns the batches by file name."""

@@ -36,8 +36,9 @@ class InProcessProxy(ClientProxy):
         return None
 
 
-def run_in_process(run_config, num_nodes=3):
-    """(the strategy after the run, [(kind, instruction, reply), ...] of every message)."""
+def run_in_process(run_config, num_nodes=3, node_class=None):
+    """(the strategy after the run, [(kind, instruction, reply), ...] of every message).
+    ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client)."""
     empty = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     components = make_server_fn(run_config)(empty)
     server, messages = components.server, []
@@ -46,6 +47,7 @@ def run_in_process(run_config, num_nodes=3):
     for p in range(num_nodes):
         node_config = {"partition-id": p, "num-partitions": num_nodes}
         context = Context(run_id=1, node_id=100 + p, node_config=node_config, state=RecordDict(), run_config={})
-        server.client_manager().register(InProcessProxy(str(1000 + p), client_fn, context, messages))
+        proxy = (node_class(p) if node_class else InProcessProxy)(str(1000 + p), client_fn, context, messages)
+        server.client_manager().register(proxy)
     server.fit(components.config.num_rounds, None)
     return server.strategy, messages

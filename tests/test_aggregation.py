@@ -7,7 +7,8 @@ import torch
 
 from protofl.report import class_weighted_accuracy, personalized_stats, summarize
 from protofl.strategies.fedproto import prototype_loss
-from protofl.task.prototypes import aggregate_prototypes
+from protofl.task.prototypes import aggregate_prototypes, sigmoid_discrepancy_weights
+from protofl.task.robust import lower_median, outliers, robust_average_layers, robust_mean, trimmed_mean
 from protofl.task.sampling import client_seed, sample_partitions
 from protofl.task.weights import weighted_average
 
@@ -124,3 +125,74 @@ def test_client_seeds_differ_per_client_and_round():
     seeds = {client_seed(0, r, p) for r in range(1, 4) for p in range(5)}
     assert len(seeds) == 15
     assert client_seed(0, 1, 1) == client_seed(0, 1, 1)
+
+
+# --- robust rules (task/robust) -----------------------------------------------------------------
+
+STACK = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [100.0, -1000.0]])  # the last row is the outlier
+
+
+def test_coordinate_wise_median_and_trimmed_mean():
+    np.testing.assert_allclose(robust_mean(STACK, [1, 1, 1, 1], "median"), [2.5, 15.0])
+    # trim 0.25 of 4 = 1 value at each end, per coordinate: [2, 3] and [10, 20]
+    np.testing.assert_allclose(robust_mean(STACK, [1, 1, 1, 1], "trimmed-mean", 0.25), [2.5, 15.0])
+    np.testing.assert_allclose(robust_mean(STACK, [1, 1, 1, 1], "trimmed-mean", 0.0), STACK.mean(axis=0))
+    np.testing.assert_allclose(trimmed_mean(STACK[:2], 0.49), STACK[:2].mean(axis=0))  # keeps at least one value
+    np.testing.assert_allclose(robust_mean(STACK, [1, 1, 1, 5], "method"), (STACK[:3].sum(0) + 5 * STACK[3]) / 8)
+
+
+def test_norm_clip_scales_each_deviation_to_the_median_norm():
+    vectors = np.array([[3.0, 4.0], [0.0, 1.0], [0.0, -2.0]])  # deviation norms from 0: 5, 1, 2 -> median 2
+    clipped = robust_mean(vectors, [1, 1, 2], "norm-clip", center=np.zeros(2))
+    np.testing.assert_allclose(clipped, ([1.2, 1.6] + np.array([0.0, 1.0]) + 2 * np.array([0.0, -2.0])) / 4)
+    # centre defaults to the coordinate-wise median [0, 1]: deviations [3, 3], [0, 0], [0, -3], norms
+    # 3 sqrt(2), 0, 3 -> median 3: the first scaled by 1 / sqrt(2)
+    expected = (np.array([0.0, 1.0]) + [3.0, 3.0] / np.sqrt(2) + [0.0, 1.0] + [0.0, -2.0]) / 3
+    np.testing.assert_allclose(robust_mean(vectors, [1, 1, 1], "norm-clip"), expected)
+
+
+def test_robust_layers_keep_dtypes_and_clip_the_whole_update():
+    reference = [np.zeros(2, np.float32), np.array([7], np.int64)]
+    clients = [[np.array([3.0, 4.0], np.float32), np.array([9], np.int64)],
+               [np.array([0.0, 1.0], np.float32), np.array([8], np.int64)],
+               [np.array([0.0, 2.0], np.float32), np.array([7], np.int64)]]
+    median = robust_average_layers(clients, [1, 1, 1], "median")
+    assert [a.dtype for a in median] == [np.float32, np.int64]
+    np.testing.assert_array_equal(median[0], [0.0, 2.0])
+    # update norms (float and integer entries alike): sqrt(25 + 4), sqrt(1 + 1), sqrt(4) -> median 2
+    clipped = robust_average_layers(clients, [1, 1, 1], "norm-clip", reference=reference)
+    scale = 2 / np.sqrt(29)
+    np.testing.assert_allclose(clipped[0], (np.array([3.0, 4.0]) * scale + [0.0, 1.0] + [0.0, 2.0]) / 3, rtol=1e-6)
+    method = robust_average_layers(clients, [1, 1, 2], "method")
+    assert method[0].tolist() == weighted_average(clients, [1, 1, 2])[0].tolist()
+
+
+def test_the_screen_compares_with_the_lower_median():
+    assert lower_median([1.0, 9.0]) == 1.0 and lower_median([3.0, 1.0, 2.0]) == 2.0
+    assert outliers([1.0, 1.5, 2.0, 30.0], 10.0).tolist() == [False, False, False, True]
+    # two attackers of four cannot move the lower median to themselves
+    assert outliers([1.0, 1.5, 1e6, 1e6], 10.0).tolist() == [False, False, True, True]
+    assert not outliers([0.0, 0.0, 5.0], 10.0).any()  # nothing to compare with
+    assert not outliers([1.0, 1e9], 0.0).any()  # screen off
+
+
+def test_robust_prototype_rules_apply_per_class_over_its_holders():
+    counts = np.array([[3, 1, 0], [1, 3, 0], [1, 1, 0]])
+    prototypes = np.concatenate([PROTOTYPES, [[[5.0, 5.0], [5.0, 5.0], [0.0, 0.0]]]]).astype(np.float32)
+    median, mask = aggregate_prototypes(prototypes, counts, "count", rule="median")
+    np.testing.assert_allclose(median, [[3.0, 2.0], [4.0, 2.0], [0.0, 0.0]])
+    assert mask.tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("form", ["normalized", "raw-counts"])
+def test_sigmoid_weights_are_finite_on_any_finite_input(form):
+    for sizes, discrepancies in (
+        ([100, 200, 300], [1e21, 1e22, 1e23]),  # every sigmoid underflows
+        ([1e308, 1e308], [1.0, 2.0]),  # sums overflow
+        ([1, 1], [0.0, 0.0]),
+    ):
+        weights = sigmoid_discrepancy_weights(np.array(sizes, float), np.array(discrepancies, float), form)
+        assert np.isfinite(weights).all() and weights.sum() == pytest.approx(1.0)
+    # in log space the least discrepant client still gets the most weight
+    weights = sigmoid_discrepancy_weights(np.array([100.0, 100.0]), np.array([1e21, 3e21]), "raw-counts")
+    assert weights[0] > weights[1]

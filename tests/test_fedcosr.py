@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from fakes import OK, FakeProxy
+from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
@@ -161,8 +161,7 @@ def test_without_contrastive_loss_and_local_aggregation_it_is_ce_on_global_phi_a
 def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missing_classes(tmp_path, caplog):
     config = ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run")
     strategy = FedCoSRStrategy(config, build_method_model(config, load_dataset("digits")), 10)
-    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(4)}
-    strategy.sampled = [0, 1, 2, 3]
+    start_round(strategy, range(4))
     phi = strategy.shared_weights()
     assert len(phi) == len(strategy.initial_weights) - 2  # everything but the head's weight and bias
     d = strategy.feature_dim
@@ -185,27 +184,27 @@ def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missi
     assert "parameter arrays" in caplog.text and "la-tau" in caplog.text
     np.testing.assert_allclose(parameters_to_ndarrays(parameters)[0], (4 * 1.0 + 3 * 8.0) / 7)  # Eq. 5
     # Eq. 6: class 0 (3 * 1 + 1 * 5) / 4 = 2, class 1 only from A, class 2 only from B
-    np.testing.assert_allclose(strategy.prototypes.vectors[:3, 0], [2.0, 2.0, 4.0])
-    assert strategy.prototypes.mask.tolist() == [True] * 3 + [False] * 7
+    np.testing.assert_allclose(strategy.global_prototypes.vectors[:3, 0], [2.0, 2.0, 4.0])
+    assert strategy.global_prototypes.mask.tolist() == [True] * 3 + [False] * 7
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
     assert (record["la_tau_mean"], record["la_tau_min"], record["la_tau_max"]) == pytest.approx((0.3, 0.1, 0.5))
 
     # round 2: only class 0 reported; classes 1 and 2 keep last round's prototypes
-    strategy.sampled = [0]
+    start_round(strategy, [0], 4)
     strategy.aggregate_fit(2, [result(0, 1.0, [4] + [0] * 9, {0: 9.0})], [])
-    np.testing.assert_allclose(strategy.prototypes.vectors[:3, 0], [9.0, 2.0, 4.0])
-    assert strategy.prototypes.mask.sum() == 3
+    np.testing.assert_allclose(strategy.global_prototypes.vectors[:3, 0], [9.0, 2.0, 4.0])
+    assert strategy.global_prototypes.mask.sum() == 3
     sent = strategy.round_configs(3, [0])[0]
-    np.testing.assert_array_equal(np.load(io.BytesIO(sent[GLOBAL_PROTOTYPES])), strategy.prototypes.vectors)
+    np.testing.assert_array_equal(np.load(io.BytesIO(sent[GLOBAL_PROTOTYPES])), strategy.global_prototypes.vectors)
 
     dropping = FedCoSRStrategy(ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run2",
                                                 options={"keep-missing-prototypes": False}),
                                build_method_model(config, load_dataset("digits")), 10)
-    dropping.partitions, dropping.sampled = strategy.partitions, [0, 1]
+    start_round(dropping, [0, 1], 4)
     dropping.aggregate_fit(1, [a, b], [])
-    dropping.sampled = [0]
+    start_round(dropping, [0], 4)
     dropping.aggregate_fit(2, [result(0, 1.0, [4] + [0] * 9, {0: 9.0})], [])
-    assert dropping.prototypes.mask.tolist() == [True] + [False] * 9
+    assert dropping.global_prototypes.mask.tolist() == [True] + [False] * 9
 
 
 def test_share_head_ablation_exchanges_and_mixes_the_whole_model():

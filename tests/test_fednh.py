@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from fakes import OK, FakeProxy
+from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
@@ -131,8 +131,7 @@ def test_strategy_updates_prototypes_averages_unweighted_and_rejects_inconsisten
                               options={"rho": 0.5})
     model = build_method_model(config, load_dataset("digits"))
     strategy = FedNHStrategy(config, model, 10)
-    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(4)}
-    strategy.sampled = [0, 1, 2, 3]
+    start_round(strategy, range(4))
     w0 = strategy.prototypes.copy()
     d = model.feature_dim
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from fakes import OK, FakeProxy
+from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters
 
@@ -221,8 +221,7 @@ def test_strategy_averages_prototypes_moves_anchors_and_sends_the_same_anchors_t
     strategy = FedSAStrategy(config, build_method_model(config, load_dataset("digits")), 10)
     assert strategy.shared_weights() == [] and strategy.initialize_parameters(None).tensors == []
     np.testing.assert_array_equal(strategy.anchors, initial_anchors(10, 512, seed=0))
-    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(3)}
-    strategy.sampled = [0, 1, 2]
+    start_round(strategy, range(3))
     configs = strategy.round_configs(1, [0, 1, 2])
     assert len({c[ANCHORS_KEY] for c in configs}) == 1 and GLOBAL_PROTOTYPES not in configs[0]
     np.testing.assert_array_equal(np.load(io.BytesIO(configs[0][ANCHORS_KEY])), strategy.anchors)
@@ -254,7 +253,7 @@ def test_strategy_averages_prototypes_moves_anchors_and_sends_the_same_anchors_t
         ExperimentSettings(method="fedsa", output_dir=str(tmp_path), run_name="w", options={"proto-agg": "weighted"}),
         strategy.model, 10,
     )
-    weighted.partitions, weighted.sampled = strategy.partitions, [0, 1]
+    start_round(weighted, [0, 1], 3)
     weighted.aggregate_fit(1, [a, b], [])
     assert weighted.global_prototypes.vectors[0, 0] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)
     sent = weighted.round_configs(2, [0])[0]

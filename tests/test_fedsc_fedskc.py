@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fakes import OK, FakeProxy
+from fakes import OK, FakeProxy, start_round
 from flwr.common import FitRes, ndarrays_to_parameters
 
 from protofl.federation.wire import CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
@@ -133,8 +133,7 @@ def test_relational_prototypes_merge_per_class_among_its_holders():
 def digits_strategy(cls, tmp_path, method, model="cnn", **options):
     config = ExperimentSettings(method=method, model=model, output_dir=str(tmp_path), run_name="run", options=options)
     strategy = cls(config, build_method_model(config, load_dataset("digits")), 10)
-    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(3)}
-    strategy.sampled = [0, 1, 2]
+    start_round(strategy, range(3))
     return strategy
 
 

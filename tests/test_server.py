@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from fakes import OK, FakeProxy
+from fakes import OK, FakeProxy, start_round
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
 from protofl.federation.server import DIVERGED_HINT, RunStopped, too_few_updates
@@ -20,8 +20,7 @@ C, D = 10, 512
 def make_strategy(cls, tmp_path, **overrides):
     config = ExperimentSettings(output_dir=str(tmp_path), run_name="run", **overrides)
     strategy = cls(config, build_model("cnn", 1, C, 16, seed=0), C)
-    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(4)}
-    strategy.sampled = [0, 1, 2, 3]
+    start_round(strategy, range(4))
     return strategy
 
 
@@ -65,11 +64,11 @@ def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
 
 
 def test_a_round_whose_losses_all_diverged_names_the_cause_and_a_hint():
-    dropped = ["train-loss must be a finite number, got nan"] * 19 + ["train-loss must be a finite number, got inf"]
+    dropped = [f"train-loss must be a finite number >= 0, got {value}" for value in ["nan"] * 19 + ["inf"]]
     reason = too_few_updates(2, 0, 2, dropped, [])
     assert reason.startswith("round 2: 0 of 20 client updates usable, 2 required. 20 dropped: "
-                             "train-loss must be a finite number, got nan (19); "
-                             "train-loss must be a finite number, got inf (1)")
+                             "train-loss must be a finite number >= 0, got nan (19); "
+                             "train-loss must be a finite number >= 0, got inf (1)")
     assert reason.endswith(DIVERGED_HINT)
 
 
@@ -111,16 +110,17 @@ def test_fedavg_drops_non_finite_parameters_and_averages_the_rest(tmp_path):
 
 def test_personalized_metrics_aggregate_across_clients(tmp_path):
     strategy = make_strategy(FedProtoStrategy, tmp_path)
+    start_round(strategy, range(5))
 
-    def res(correct, total, **extra):
-        return FakeProxy("x"), EvaluateRes(OK, 0.5, total, {"correct": correct, **extra})
+    def res(pid, correct, total, **extra):
+        return FakeProxy(str(100 + pid)), EvaluateRes(OK, 0.5, total, {"correct": correct, **extra})
 
     results = [
-        res(9, 10, **{"correct-head": 5, "pm-l": 0.9, "pm-v": 0.5}),
-        res(5, 10, **{"correct-head": 5, "pm-l": 0.6, "pm-v": 0.4}),
-        res(0, 5, **{"correct-head": 5, "pm-l": 0.0, "pm-v": 0.0}),
+        res(0, 9, 10, **{"correct-head": 5, "pm-l": 0.9, "pm-v": 0.5}),
+        res(1, 5, 10, **{"correct-head": 5, "pm-l": 0.6, "pm-v": 0.4}),
+        res(2, 0, 5, **{"correct-head": 5, "pm-l": 0.0, "pm-v": 0.0}),
     ]
-    bogus = [res(11, 10), res(1, 10, **{"pm-l": 1.5, "pm-v": 0.5})]  # impossible values: ignored
+    bogus = [res(3, 11, 10), res(4, 1, 10, **{"pm-l": 1.5, "pm-v": 0.5})]  # impossible values: dropped
     loss, metrics = strategy.aggregate_evaluate(1, results + bogus, [])
     assert metrics["personalized_accuracy"] == pytest.approx(14 / 25)
     assert metrics["personalized_accuracy_head"] == pytest.approx(15 / 25)
@@ -129,6 +129,9 @@ def test_personalized_metrics_aggregate_across_clients(tmp_path):
     assert metrics["pm_l"] == pytest.approx(0.5) and metrics["pm_v"] == pytest.approx(0.3)
     assert metrics["pm_l_std"] == pytest.approx(np.std([0.9, 0.6, 0.0]))
     assert loss == pytest.approx(0.5)
+    record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]
+    assert [(d["stage"], d["partition"]) for d in record["dropped"]] == [("evaluate", 3), ("evaluate", 4)]
+    assert "correct must be an integer in [0, 10], got 11" in record["dropped"][0]["reason"]
 
 
 def test_evaluation_runs_every_eval_every_rounds_and_in_the_last(tmp_path):
@@ -154,8 +157,8 @@ def test_a_run_without_usable_updates_stops_with_one_line_and_keeps_its_results(
     strategy, messages = run_in_process(run_config, num_nodes=2)  # returns: no exception escapes
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["stopped"] == (
-        "round 2: 0 of 2 client updates usable, 2 required. 2 dropped: train-loss must be a finite number, "
-        f"got nan (2). {DIVERGED_HINT}"
+        "round 2: 0 of 2 client updates usable, 2 required. 2 dropped: train-loss must be a finite number "
+        f">= 0, got nan (2). {DIVERGED_HINT}"
     )
     assert results["rounds"][0]["global_accuracy"] > 0.3  # round 1 was kept
     assert [kind for kind, _, _ in messages].count("fit") == 4  # two rounds of two clients, then no more

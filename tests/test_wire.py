@@ -180,3 +180,20 @@ def test_class_vectors_round_trip_and_feature_size_mismatch_is_clear():
     assert ClassVectors.from_config({}, "global-prototypes", 3, 2, CAP) is None
     with pytest.raises(PayloadError, match="2-d, but this client's model gives 5-d"):
         ClassVectors.from_config(config, "global-prototypes", 3, 5, CAP)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64"])
+def test_big_endian_arrays_are_read_in_native_byte_order(dtype):
+    array = np.arange(6, dtype=dtype).reshape(2, 3)
+    big_endian = encode_array(array.astype(array.dtype.newbyteorder(">")))
+    decoded = decode_array(big_endian, ArraySpec((2, 3), (dtype,)), 10**6)
+    assert decoded.dtype == np.dtype(dtype) and decoded.dtype.isnative
+    np.testing.assert_array_equal(decoded, array)
+
+
+def test_class_counts_must_be_the_partitions_own_where_the_server_knows_them():
+    stats = ClassStatistics(np.zeros((3, 2), np.float32), np.array([2, 1, 0], np.int64))
+    metrics = stats.to_metrics()
+    ClassStatistics.from_metrics(metrics, 3, 2, 3, 10**6, expected_counts=np.array([2, 1, 0]))
+    with pytest.raises(PayloadError, match="differ from the partition's own"):
+        ClassStatistics.from_metrics(metrics, 3, 2, 3, 10**6, expected_counts=np.array([1, 2, 0]))

@@ -60,6 +60,7 @@ def test_every_method_that_uploads_class_statistics_has_them_checked(runs, name,
     tampered = FitRes(reply.status, reply.parameters, reply.num_examples,
                       reply.metrics | {CLASS_COUNTS: encode_array(counts)})
     strategy.sampled = [reply.metrics["partition-id"]]
+    strategy.asked = {proxy.cid: reply.metrics["partition-id"]}
     with pytest.raises(RunStopped, match="0 of 1 client updates usable"):
         strategy.aggregate_fit(3, [(proxy, tampered)], [])
     assert "class counts do not add up" in caplog.text

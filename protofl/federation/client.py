@@ -50,6 +50,7 @@ from protofl.report import class_weighted_accuracy
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.data import ClientData, load_global_test
 from protofl.task.models import SplitModel
+from protofl.task.privacy import privatize_class_means
 from protofl.task.train import (
     FeatureSums,
     class_means,
@@ -150,6 +151,8 @@ class PrototypeClient(NumPyClient):
             recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed))
         metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)}
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
+        if statistics is not None and self.settings.dp_noise > 0:
+            statistics = self.privatize(statistics)
         if statistics is not None:
             metrics |= statistics.to_metrics()
         metrics |= self.after_fit(statistics)
@@ -161,6 +164,14 @@ class PrototypeClient(NumPyClient):
         return self.score(self.predictors())
 
     # --- helpers ------------------------------------------------------------------------
+
+    def privatize(self, statistics: ClassStatistics) -> ClassStatistics:
+        """Differentially private class vectors (``dp-clip``, ``dp-noise``): clipped, with Gaussian
+        noise from the OS's entropy, never from the run seed, which the server knows."""
+        s = self.settings
+        rng = np.random.default_rng()
+        means = privatize_class_means(statistics.means, statistics.counts, s.dp_clip, s.dp_noise, rng)
+        return ClassStatistics(means, statistics.counts)
 
     def shared_arrays(self) -> list[np.ndarray]:
         """The model entries this method exchanges, in ``state_dict`` order: all the server may see."""

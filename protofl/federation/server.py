@@ -1,10 +1,16 @@
 """The server template: a Flower ``Strategy`` that a method fills in with hooks.
 
-Per round: discover which node holds which partition (once per node), sample partitions with the
-run seed, send each the parameters the method shares, its seed and the method's broadcast arrays;
-decode and check every fit result (a bad one is dropped with a logged reason, recorded as
-``rejected``); hand the accepted updates, sorted by partition, to the method's server rule; score
-the global model (GM) and aggregate the clients' evaluations (PM); record everything.
+Per round: discover which node holds which partition (:mod:`protofl.federation.partitions`),
+sample partitions with the run seed, send each the parameters the method shares, its seed and the
+method's broadcast arrays; decode and check every fit result against what the server knows, screen
+the magnitudes against the round's cohort, and hand the accepted updates, sorted by partition, to
+the method's server rule; check the rule's output before anything goes out; score the global model
+(GM) and aggregate the clients' evaluations (PM); record everything.
+
+Every client message is hostile until checked: nothing a client sends raises out of the strategy.
+A bad update or evaluation is dropped with a logged reason, recorded in the round's ``dropped``
+list of results.json; an aggregate that is not finite (or a server rule that fails) keeps the
+previous global state, recorded as ``kept_previous``.
 
 Hooks (see docs/adding-a-method.md):
 
@@ -14,13 +20,17 @@ Hooks (see docs/adding-a-method.md):
 - ``check_update(update)``: method-specific checks; raise :class:`PayloadError` to drop an update;
 - ``broadcast(server_round)``: arrays sent to clients in the fit (and evaluate) config;
 - ``aggregate_updates(server_round, updates)``: the server rule; returns the new global parameters
-  (the shared entries, in order) or None;
+  (the shared entries, in order) or None; it averages parameters with :meth:`average_parameters`
+  and passes :attr:`prototype_rule` to the class-vector math, so the run's robust rules apply;
+- ``state_fields``: the attributes that hold the method's server state (restored when a round's
+  output is rejected);
 - ``broadcast_to_evaluate``: False keeps the broadcast out of the evaluate config.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import math
 import time
 from collections import Counter
@@ -46,9 +56,9 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
+from protofl.federation.partitions import ExpectedSizes, PartitionRegistry
 from protofl.federation.wire import (
     CORRECT,
-    NUM_PARTITIONS,
     PARTITION_ID,
     PM_L,
     PM_V,
@@ -60,14 +70,17 @@ from protofl.federation.wire import (
     encode_array,
     parameters_bytes,
     payload_bytes,
+    rejection_reason,
     round_config,
 )
 from protofl.report import RunRecorder, personalized_stats, progress_line
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import MODEL_FAMILIES, SplitModel
+from protofl.task.privacy import prototype_epsilon
+from protofl.task.robust import lower_median, outliers, robust_average_layers
 from protofl.task.sampling import client_seed, sample_partitions
 from protofl.task.train import features_and_logits, head_loss_and_correct
-from protofl.task.weights import set_weights, weighted_average
+from protofl.task.weights import set_weights
 
 
 @dataclass
@@ -95,12 +108,6 @@ def mean_client_metrics(updates: Sequence[ClientUpdate], keys: Sequence[str]) ->
             values, weights = zip(*reported)
             fields[key.replace("-", "_")] = float(np.average(values, weights=weights))
     return fields
-
-
-def average_parameters(updates: Sequence[ClientUpdate], by_sample_count: bool = True) -> list[np.ndarray]:
-    """The clients' parameters averaged layer-wise, weighted by their training sizes or unweighted."""
-    weights = [u.num_examples if by_sample_count else 1 for u in updates]
-    return weighted_average([u.parameters for u in updates], weights)
 
 
 class RunStopped(Exception):
@@ -138,6 +145,7 @@ class PrototypeStrategy(Strategy):
 
     options_class: type[MethodOptions] = MethodOptions
     loss_metrics: tuple[str, ...] = ()
+    state_fields: tuple[str, ...] = ()
     broadcast_to_evaluate = True
     properties_timeout = 120.0
 
@@ -148,7 +156,10 @@ class PrototypeStrategy(Strategy):
         num_classes: int,
         global_test: tuple[torch.Tensor, torch.Tensor] | None = None,
         recorder: RunRecorder | None = None,
+        partition_sizes: ExpectedSizes | None = None,
     ) -> None:
+        """``partition_sizes``: each partition's sizes from the server's own copy of the data set,
+        which the nodes' claims must match (``verify-partitions``)."""
         super().__init__()
         self.settings = settings
         self.options = self.options_class.from_settings(settings)
@@ -162,11 +173,13 @@ class PrototypeStrategy(Strategy):
         self.initial_weights = [v.detach().cpu().numpy() for v in model.state_dict().values()]
         self.shared_indices = [i for i, name in enumerate(names) if self.options.shares(name)]
         self.has_global_model = len(self.shared_indices) == len(names)
+        self.registry = PartitionRegistry(settings.num_partitions, partition_sizes)
         self.partitions: dict[int, ClientProxy] = {}  # partition id -> the node holding it
-        self.num_partitions: int | None = None
-        self.queried: set[str] = set()  # node ids already asked for their partition
         self.waited_for_all = False
         self.sampled: list[int] = []
+        self.asked: dict[str, int] = {}  # node id -> partition, of this round's instructions
+        self.sent_parameters: list[np.ndarray] = self.shared_weights()  # what this round's clients train from
+        self.releases: Counter[int] = Counter()  # rounds each partition released DP prototypes
         self.round_started = 0.0
 
     # --- hooks for methods --------------------------------------------------------------
@@ -182,6 +195,24 @@ class PrototypeStrategy(Strategy):
         """Server rule: new global parameters (the shared entries), or None when none are shared."""
         raise NotImplementedError
 
+    # --- helpers for server rules -------------------------------------------------------
+
+    def average_parameters(
+        self, updates: Sequence[ClientUpdate], weights: Sequence[float] | None = None
+    ) -> list[np.ndarray]:
+        """The clients' parameters under the run's ``aggregation`` rule: with ``method``, their
+        layer-wise mean weighted by ``weights`` (default: the training sizes)."""
+        weights = [u.num_examples for u in updates] if weights is None else weights
+        s = self.settings
+        return robust_average_layers(
+            [u.parameters for u in updates], weights, s.aggregation, s.trim_fraction, self.sent_parameters
+        )
+
+    @property
+    def prototype_rule(self) -> dict[str, Any]:
+        """Keyword arguments that apply the run's ``prototype-aggregation`` rule to class vectors."""
+        return {"rule": self.settings.prototype_aggregation, "trim_fraction": self.settings.trim_fraction}
+
     # --- what is exchanged ----------------------------------------------------------------
 
     def shared_weights(self) -> list[np.ndarray]:
@@ -192,44 +223,44 @@ class PrototypeStrategy(Strategy):
     # --- partitions and sampling --------------------------------------------------------
 
     def discover_partitions(self, client_manager: ClientManager) -> None:
-        """Learn which partition each node holds (node ids are random per run, partitions are not).
-
-        Each node is asked once for its properties. The first time fewer nodes than the
-        reported ``num-partitions`` are connected, wait for the rest (deployment), then go on
-        with who is there.
-        """
+        """Ask the nodes not asked yet (and those whose query failed) for their partition; the
+        first time, wait for as many nodes as the run has partitions, then fix that number.
+        ``self.partitions`` becomes the believed holders among the live nodes."""
         timeout = int(self.properties_timeout)
         client_manager.wait_for(1, timeout=timeout)
-        self._query_new_nodes(client_manager)
-        if not self.waited_for_all and len(self.partitions) < (self.num_partitions or 0):
+        self._query_nodes(client_manager)
+        if not self.waited_for_all:
             self.waited_for_all = True
-            client_manager.wait_for(self.num_partitions, timeout=timeout)
-            self._query_new_nodes(client_manager)
+            expected = self.registry.num_partitions or 0
+            if len(client_manager.all()) < expected:
+                client_manager.wait_for(expected, timeout=timeout)
+                self._query_nodes(client_manager)
+            self.registry.freeze()
+        live = client_manager.all()
+        self.partitions = {pid: live[node] for pid, node in self.registry.holders(live).items()}
 
-    def _query_new_nodes(self, client_manager: ClientManager) -> None:
-        new = [proxy for cid, proxy in client_manager.all().items() if cid not in self.queried]
-        self.queried.update(proxy.cid for proxy in new)
+    def _query_nodes(self, client_manager: ClientManager) -> None:
+        live = client_manager.all()
+        nodes = [live[node] for node in self.registry.to_query(live)]
         ins = GetPropertiesIns(config={})
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(new)))) as pool:
-            replies = list(pool.map(lambda p: _try(p.get_properties, ins, self.properties_timeout, 0), new))
-        for proxy, reply in zip(new, replies):
-            if isinstance(reply, BaseException):
-                log(WARNING, "node %s did not report its partition: %s", proxy.cid, reply)
-                continue
-            pid = reply.properties.get(PARTITION_ID)
-            if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
-                log(WARNING, "node %s reported an invalid partition-id %r", proxy.cid, pid)
-            elif pid in self.partitions:
-                log(WARNING, "node %s reported partition %d, already held by another node", proxy.cid, pid)
-            else:
-                self.partitions[pid] = proxy
-                reported = reply.properties.get(NUM_PARTITIONS)
-                if isinstance(reported, int):
-                    self.num_partitions = max(self.num_partitions or 0, reported)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(nodes)))) as pool:
+            replies = list(pool.map(lambda p: _try(p.get_properties, ins, self.properties_timeout, 0), nodes))
+        for proxy, reply in zip(nodes, replies):
+            self.registry.record(proxy.cid, reply if isinstance(reply, BaseException) else reply.properties)
 
     def _available_partitions(self, client_manager: ClientManager) -> list[int]:
         live = client_manager.all()
         return sorted(pid for pid, proxy in self.partitions.items() if proxy.cid in live)
+
+    def _claimed_sizes(self, partition_id: int) -> tuple[int, int, np.ndarray | None] | None:
+        """(training size, test size, class counts or None) of a partition: from the server's data
+        where it has them, else from its holder's claim; None when neither is known."""
+        sizes = self.registry.sizes(partition_id)
+        if sizes is not None:
+            return int(sizes.train_counts.sum()), sizes.num_test, sizes.train_counts
+        proxy = self.partitions.get(partition_id)
+        claim = self.registry.claims.get(proxy.cid) if proxy is not None else None
+        return (claim.num_train, claim.num_test, None) if claim is not None else None
 
     # --- Strategy API: fit ------------------------------------------------------------------
 
@@ -261,6 +292,11 @@ class PrototypeStrategy(Strategy):
             raise RunStopped(f"round {server_round}: no client reported a partition id; cannot sample clients")
         s = self.settings
         self.sampled = sample_partitions(available, s.fraction_fit, s.min_fit_clients, s.seed, server_round)
+        self.asked = {self.partitions[p].cid: p for p in self.sampled}
+        if parameters.tensors:
+            self.sent_parameters = parameters_to_ndarrays(parameters)
+        if s.dp_noise > 0 and self.options.statistics is not None:
+            self.releases.update(self.sampled)
         configs = self.round_configs(server_round, self.sampled)
         instructions = [(self.partitions[p], FitIns(parameters, c)) for p, c in zip(self.sampled, configs)]
         self.recorder.update(
@@ -271,22 +307,46 @@ class PrototypeStrategy(Strategy):
         log(INFO, "round %d: training partitions %s", server_round, self.sampled)
         return instructions
 
-    def _parse_fit_result(self, proxy: ClientProxy, res: FitRes) -> ClientUpdate:
+    def _checked_replies(
+        self, server_round: int, stage: str, results: Sequence[tuple[ClientProxy, Any]], parse: Any
+    ) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Each reply checked on its own: (``parse(partition_id, reply)`` of the good ones, what was
+        dropped and why). A reply must come from a node asked this round, once; whatever else is
+        wrong with it (``parse`` raises), the others go on without it."""
+        accepted, dropped, seen = [], [], set()
+        for proxy, res in results:
+            partition_id = None
+            try:
+                if proxy.cid not in self.asked:
+                    raise PayloadError("this node was not asked this round")
+                if proxy.cid in seen:
+                    raise PayloadError("a second reply from this node this round")
+                seen.add(proxy.cid)
+                partition_id = self.asked[proxy.cid]
+                accepted.append(parse(partition_id, res))
+            except Exception as err:  # whatever a client sent, the round goes on without it
+                dropped.append(self._drop(server_round, stage, proxy.cid, partition_id, err))
+        return accepted, dropped
+
+    def _parse_fit_result(self, partition_id: int, res: FitRes) -> ClientUpdate:
         metrics = dict(res.metrics)
         pid = metrics.get(PARTITION_ID)
-        if not isinstance(pid, int) or pid not in self.partitions or self.partitions[pid].cid != proxy.cid:
-            raise PayloadError(f"partition-id {pid!r} is not the partition this node reported")
-        if not isinstance(res.num_examples, int) or res.num_examples < 1:
+        if not _is_int(pid) or pid != partition_id:
+            raise PayloadError(f"partition-id {pid!r} is not the partition this node holds ({partition_id})")
+        known = self._claimed_sizes(partition_id)
+        if not _is_int(res.num_examples) or res.num_examples < 1:
             raise PayloadError(f"num_examples must be a positive int, got {res.num_examples!r}")
+        if known is not None and res.num_examples != known[0]:
+            raise PayloadError(f"num_examples {res.num_examples} is not partition {partition_id}'s training size")
         loss = metrics.get(TRAIN_LOSS)
-        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
-            raise PayloadError(f"train-loss must be a finite number, got {loss!r}")
+        if not _is_number(loss) or not 0.0 <= loss < math.inf:
+            raise PayloadError(f"train-loss must be a finite number >= 0, got {loss!r}")
         for key in self.loss_metrics:  # loss values a client reports (when it does)
             value = metrics.get(key, 0.0)
             if not isinstance(value, float) or not 0.0 <= value < math.inf:
                 raise PayloadError(f"{key} must be a finite float >= 0, got {value!r}")
         references = self.shared_weights()
-        if references and len(res.parameters.tensors) != len(references):
+        if len(res.parameters.tensors) != len(references):
             raise PayloadError(f"{len(res.parameters.tensors)} parameter arrays, expected {len(references)}")
         parameters: list[np.ndarray] = []
         for i, (tensor, reference) in enumerate(zip(res.parameters.tensors, references)):
@@ -299,11 +359,59 @@ class PrototypeStrategy(Strategy):
         if self.options.statistics is not None:
             statistics = ClassStatistics.from_metrics(
                 metrics, self.num_classes, self.options.statistics_dim(self.num_classes, self.feature_dim),
-                res.num_examples, self.max_payload_bytes,
+                res.num_examples, self.max_payload_bytes, expected_counts=known[2] if known else None,
             )
-        update = ClientUpdate(pid, res.num_examples, parameters, statistics, metrics)
+        update = ClientUpdate(partition_id, res.num_examples, parameters, statistics, metrics)
         self.check_update(update)
         return update
+
+    def _screen(self, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], dict[int, str], dict[str, float]]:
+        """The default magnitude screen (``screen-factor``): an update whose parameter change, or
+        one of whose class vectors, has a norm above the factor times the round's lower median
+        (per class for class vectors) is dropped. Returns (kept, {partition: reason}, the largest
+        ratios to the median seen: how close honest clients come to the bound)."""
+        reasons: dict[int, str] = {}
+        ratios: dict[str, float] = {}
+
+        def compare(what: str, key: str, members: Sequence[int], norms: Sequence[float]) -> None:
+            median = lower_median(norms)
+            if median > 0:
+                ratios[key] = max(ratios.get(key, 0.0), max(norms) / median)
+            for k, norm, outlier in zip(members, norms, outliers(norms, self.settings.screen_factor)):
+                if outlier:
+                    reasons.setdefault(updates[k].partition_id, f"{what} norm {norm:.3g} is above "
+                                       f"{self.settings.screen_factor:g} x the round's median {median:.3g}")
+
+        if len(updates) < 2:
+            return updates, reasons, ratios
+        everyone = range(len(updates))
+        if self.sent_parameters and updates[0].parameters:
+            norms = [_change_norm(u.parameters, self.sent_parameters) for u in updates]
+            compare("parameter change", "screen_parameter_ratio", everyone, norms)
+        if updates[0].statistics is not None:
+            means, counts = stacked_statistics(updates)
+            row_norms = np.linalg.norm(means.astype(np.float64), axis=2)
+            for c in range(means.shape[1]):
+                holders = np.flatnonzero(counts[:, c] > 0)
+                if len(holders) > 1:
+                    compare(f"class {c} vector", "screen_prototype_ratio", holders, row_norms[holders, c])
+        return [u for u in updates if u.partition_id not in reasons], reasons, ratios
+
+    def _output_problem(self, server_round: int, parameters: list[np.ndarray] | None) -> str | None:
+        """Why the server rule's output must not go out (non-finite, wrong shape), or None."""
+        if parameters is not None:
+            references = self.shared_weights()
+            if len(parameters) != len(references):
+                return f"the aggregate has {len(parameters)} arrays, expected {len(references)}"
+            for i, (array, reference) in enumerate(zip(parameters, references)):
+                if array.shape != reference.shape or array.dtype != reference.dtype:
+                    return f"aggregate array {i} is {array.dtype}{array.shape}, not {reference.dtype}{reference.shape}"
+                if array.dtype.kind == "f" and not np.isfinite(array).all():
+                    return f"aggregate array {i} is not finite"
+        for name, array in self.broadcast(server_round + 1).items():
+            if np.asarray(array).dtype.kind == "f" and not np.isfinite(array).all():
+                return f"the broadcast {name!r} is not finite"
+        return None
 
     def aggregate_fit(
         self,
@@ -314,36 +422,65 @@ class PrototypeStrategy(Strategy):
         failed = [_describe(failure) for failure in failures]
         for reason in failed:
             log(WARNING, "round %d: a client failed: %s", server_round, reason)
-        updates: list[ClientUpdate] = []
-        dropped: list[str] = []
-        for proxy, res in results:
-            try:
-                updates.append(self._parse_fit_result(proxy, res))
-            except PayloadError as err:
-                log(WARNING, "round %d: dropped the update of node %s: %s", server_round, proxy.cid, err)
-                dropped.append(str(err))
+        updates, dropped = self._checked_replies(server_round, "fit", results, self._parse_fit_result)
+        updates, screened, ratios = self._screen(updates)
+        for pid, reason in screened.items():
+            dropped.append(self._drop(server_round, "screen", self.partitions[pid].cid, pid, reason))
         required = min(self.settings.min_fit_clients, len(self.sampled))
         if len(updates) < required:
-            raise RunStopped(too_few_updates(server_round, len(updates), required, dropped, failed))
+            reasons = [d["reason"] for d in dropped]
+            raise RunStopped(too_few_updates(server_round, len(updates), required, reasons, failed))
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
-        new_parameters = self.aggregate_updates(server_round, updates)
+        new_parameters, kept_previous = self._aggregate(server_round, updates)
         weights = [u.num_examples for u in updates]
         train_loss = float(np.average([u.metrics[TRAIN_LOSS] for u in updates], weights=weights))
         elapsed = time.perf_counter() - self.round_started
+        privacy = {}
+        if self.releases:
+            privacy["dp_epsilon"] = prototype_epsilon(
+                self.settings.dp_noise, max(self.releases.values()), self.settings.dp_delta
+            )
         record = self.recorder.update(
             server_round,
             **mean_client_metrics(updates, self.loss_metrics),
             train_loss=train_loss,
-            bytes_up=sum(parameters_bytes(res.parameters) + payload_bytes(res.metrics) for _, res in results),
+            bytes_up=sum(_bytes_up(res) for _, res in results),
             rejected=len(results) - len(updates) + len(failures),
+            dropped=dropped,
+            **({"kept_previous": kept_previous} if kept_previous else {}),
             fit_seconds=elapsed,
             seconds=elapsed,
+            **ratios,
+            **privacy,
         )
         self.recorder.write()
         if not self.settings.is_eval_round(server_round):
             log(INFO, "round %d: %s", server_round, progress_line(record))
+        if new_parameters is None and kept_previous is not None and self.shared_indices:
+            return None, {TRAIN_LOSS: train_loss, "accepted": len(updates)}  # Flower keeps the parameters
         parameters = ndarrays_to_parameters(new_parameters if new_parameters is not None else [])
         return parameters, {TRAIN_LOSS: train_loss, "accepted": len(updates)}
+
+    def _aggregate(self, server_round: int, updates: list[ClientUpdate]) -> tuple[list[np.ndarray] | None, str | None]:
+        """The server rule on the accepted updates, its output checked: (new parameters, None), or
+        (None, why) with the method's state as before the round."""
+        saved = {name: copy.deepcopy(getattr(self, name)) for name in self.state_fields}
+        try:
+            new_parameters = self.aggregate_updates(server_round, updates)
+            problem = self._output_problem(server_round, new_parameters)
+        except Exception as err:  # the rule must not end the run on what clients sent
+            new_parameters, problem = None, f"the server rule failed: {type(err).__name__}: {err}"
+        if problem is None:
+            return new_parameters, None
+        for name, value in saved.items():
+            setattr(self, name, value)
+        log(WARNING, "round %d: %s; the previous global state is kept", server_round, problem)
+        return None, problem
+
+    def _drop(self, server_round: int, stage: str, node: str, partition_id: int | None, err: Any) -> dict[str, Any]:
+        reason = rejection_reason(err)
+        log(WARNING, "round %d: dropped the %s result of node %s: %s", server_round, stage, node, reason)
+        return {"stage": stage, "node": node, "partition": partition_id, "reason": reason}
 
     # --- Strategy API: evaluation -------------------------------------------------------------
 
@@ -373,9 +510,32 @@ class PrototypeStrategy(Strategy):
         if self.settings.evaluate_clients == "all":
             chosen = self._available_partitions(client_manager)
         else:
-            chosen = self.sampled
+            chosen = [p for p in self.sampled if p in self.partitions]
+        self.asked = {self.partitions[p].cid: p for p in chosen}
         configs = self.round_configs(server_round, chosen, self.broadcast_to_evaluate)
         return [(self.partitions[p], EvaluateIns(parameters, c)) for p, c in zip(chosen, configs)]
+
+    def _parse_evaluate_result(self, partition_id: int, res: EvaluateRes) -> tuple[int, EvaluateRes]:
+        """An evaluation checked: its partition, its size (the partition's test size), a finite
+        loss >= 0, counts of correct predictions within its size, PM(L)/PM(V) in [0, 1]."""
+        metrics: Mapping[str, Any] = dict(res.metrics)
+        if metrics.get(PARTITION_ID, partition_id) != partition_id:
+            raise PayloadError(f"partition-id {metrics.get(PARTITION_ID)!r} is not this node's ({partition_id})")
+        if not _is_int(res.num_examples) or res.num_examples < 1:
+            raise PayloadError(f"num_examples must be a positive int, got {res.num_examples!r}")
+        known = self._claimed_sizes(partition_id)
+        if known is not None and res.num_examples != known[1]:
+            raise PayloadError(f"num_examples {res.num_examples} is not partition {partition_id}'s test size")
+        if not _is_number(res.loss) or not 0.0 <= res.loss < math.inf:
+            raise PayloadError(f"loss must be a finite number >= 0, got {res.loss!r}")
+        if CORRECT not in metrics:
+            raise PayloadError(f"missing {CORRECT!r}")
+        for key, value in metrics.items():
+            if key.startswith(CORRECT) and not (_is_int(value) and 0 <= value <= res.num_examples):
+                raise PayloadError(f"{key} must be an integer in [0, {res.num_examples}], got {value!r}")
+            if key in (PM_L, PM_V) and not (_is_number(value) and 0.0 <= value <= 1.0):
+                raise PayloadError(f"{key} must be a number in [0, 1], got {value!r}")
+        return partition_id, res
 
     def aggregate_evaluate(
         self,
@@ -386,14 +546,15 @@ class PrototypeStrategy(Strategy):
         """PM: each client's own model on its local test split, aggregated across clients."""
         for failure in failures:
             log(WARNING, "round %d: a client failed to evaluate: %s", server_round, _describe(failure))
-        valid = [res for _, res in results if _valid_evaluation(res)]
-        if len(valid) < len(results):
-            log(WARNING, "round %d: ignored %d malformed evaluation results", server_round, len(results) - len(valid))
+        checked, dropped = self._checked_replies(server_round, "evaluate", results, self._parse_evaluate_result)
+        valid = [res for _, res in sorted(checked, key=lambda pair: pair[0])]  # arrival order must not change sums
         fields = personalized_fields(valid)
         totals = [res.num_examples for res in valid]
         loss = float(np.average([res.loss for res in valid], weights=totals)) if valid else None
+        previous = self.recorder.rounds.get(server_round, {}).get("dropped") or []
         record = self.recorder.update(
-            server_round, personalized_loss=loss, seconds=time.perf_counter() - self.round_started, **fields
+            server_round, personalized_loss=loss, seconds=time.perf_counter() - self.round_started,
+            **({"dropped": previous + dropped} if dropped else {}), **fields,
         )
         self.recorder.write()
         log(INFO, "round %d: %s", server_round, progress_line(record))
@@ -402,13 +563,13 @@ class PrototypeStrategy(Strategy):
 
 def personalized_fields(results: Sequence[EvaluateRes]) -> dict[str, Any]:
     """PM fields of a round from valid evaluation results: sample-weighted accuracy and its
-    across-client statistics, each predictor's accuracy, and FedNH's PM(L) / PM(V)."""
-    totals = [res.num_examples for res in results]
+    across-client statistics, each predictor's accuracy, and FedNH's PM(L) / PM(V); each over
+    the results that report it."""
     fields: dict[str, Any] = {}
     for key in sorted({k for res in results for k in res.metrics if k.startswith(CORRECT)}):
-        if not all(key in res.metrics for res in results):
-            continue
-        stats = personalized_stats([int(res.metrics[key]) for res in results], totals)
+        reporting = [res for res in results if key in res.metrics]
+        correct = [int(res.metrics[key]) for res in reporting]
+        stats = personalized_stats(correct, [res.num_examples for res in reporting])
         suffix = key[len(CORRECT):].replace("-", "_")
         if suffix:
             fields[f"personalized_accuracy{suffix}"] = stats["accuracy"]
@@ -421,11 +582,33 @@ def personalized_fields(results: Sequence[EvaluateRes]) -> dict[str, Any]:
                 personalized_worst10=stats["worst10"],
             )
     for key in (PM_L, PM_V):  # unweighted over clients, as the paper
-        if results and all(key in res.metrics for res in results):
-            values = [float(res.metrics[key]) for res in results]
+        values = [float(res.metrics[key]) for res in results if key in res.metrics]
+        if values:
             name = key.replace("-", "_")
             fields.update({name: float(np.mean(values)), f"{name}_std": float(np.std(values))})
     return fields
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _change_norm(parameters: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
+    """L2 norm of an update's change to the floating-point entries it trained from."""
+    return math.sqrt(sum(
+        float(np.sum((a.astype(np.float64) - r) ** 2)) for a, r in zip(parameters, reference) if r.dtype.kind == "f"
+    ))
+
+
+def _bytes_up(res: Any) -> int:
+    try:
+        return parameters_bytes(res.parameters) + payload_bytes(res.metrics)
+    except Exception:  # a reply too malformed to measure counts nothing
+        return 0
 
 
 def _try(fn, *args):
@@ -440,17 +623,3 @@ def _describe(failure: Any) -> str:
         return f"{type(failure).__name__}: {failure}"
     _, res = failure
     return f"status {res.status.code}: {res.status.message}"
-
-
-def _valid_evaluation(res: EvaluateRes) -> bool:
-    if not isinstance(res.num_examples, int) or res.num_examples < 1:
-        return False
-    metrics: Mapping[str, Any] = res.metrics
-    for key, value in metrics.items():
-        if key.startswith(CORRECT) and not (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= res.num_examples
-        ):
-            return False
-        if key in (PM_L, PM_V) and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-            return False
-    return math.isfinite(res.loss)

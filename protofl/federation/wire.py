@@ -47,6 +47,15 @@ class PayloadError(ValueError):
     """A payload that must not be used (unreadable, wrong shape or dtype, non-finite, too big)."""
 
 
+def rejection_reason(err: BaseException | str, limit: int = 300) -> str:
+    """Why a reply was rejected, for logs and results.json: a client controls the values quoted in
+    it, so it is cut to ``limit`` characters."""
+    if isinstance(err, BaseException):
+        err = str(err) if isinstance(err, PayloadError) else f"{type(err).__name__}: {err}"
+    text = str(err)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """What an array payload must look like. ``None`` in ``shape`` matches any length."""
@@ -92,6 +101,8 @@ def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
         array = np.load(io.BytesIO(blob), allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
         raise PayloadError(f"unreadable array ({err})") from None
+    if not array.dtype.isnative:  # e.g. big-endian float32 from another host: same values, native order
+        array = array.astype(array.dtype.newbyteorder("="))
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise PayloadError("non-finite values")
     if spec.nonnegative and (array < 0).any():
@@ -154,16 +165,20 @@ class ClassStatistics:
 
     @classmethod
     def from_metrics(
-        cls, metrics: Mapping[str, Any], num_classes: int, dim: int, num_examples: int, max_bytes: int
+        cls, metrics: Mapping[str, Any], num_classes: int, dim: int, num_examples: int, max_bytes: int,
+        expected_counts: np.ndarray | None = None,
     ) -> "ClassStatistics":
         """Decoded and checked, always: shapes and dtypes, finite means, counts >= 0, each at
-        most ``num_examples`` and together exactly ``num_examples`` (summed without overflow)."""
+        most ``num_examples`` and together exactly ``num_examples`` (summed without overflow),
+        and equal to ``expected_counts`` where the server knows them."""
         means = decode_entry(metrics, CLASS_MEANS, ArraySpec((num_classes, dim)), max_bytes)
         counts = decode_entry(metrics, CLASS_COUNTS, ArraySpec((num_classes,), ("int64",), True), max_bytes)
         if (counts > num_examples).any():
             raise PayloadError(f"a class count exceeds num_examples ({num_examples})")
         if sum(counts.tolist()) != num_examples:  # Python ints: no int64 wrap-around
             raise PayloadError("class counts do not add up to num_examples")
+        if expected_counts is not None and not np.array_equal(counts, expected_counts):
+            raise PayloadError("class counts differ from the partition's own")
         return cls(means, counts)
 
 

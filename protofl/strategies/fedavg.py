@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 import numpy as np
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters
+from protofl.federation.server import ClientUpdate, PrototypeStrategy
 from protofl.settings import MethodOptions
 
 
@@ -29,7 +29,7 @@ class FedAvgStrategy(PrototypeStrategy):
     options_class = FedAvgOptions
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        return average_parameters(updates, self.options.weighted)
+        return self.average_parameters(updates, None if self.options.weighted else [1] * len(updates))
 
 
 class FedAvgClient(PrototypeClient):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from flwr.app import MetricRecord
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors, PayloadError
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import aggregate_prototypes
@@ -119,10 +119,11 @@ def sample_infonce_losses(
 class FedCoSRStrategy(PrototypeStrategy):
     options_class = FedCoSROptions
     loss_metrics = LOSS_KEYS
+    state_fields = ("global_prototypes",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.prototypes: ClassVectors | None = None
+        self.global_prototypes: ClassVectors | None = None
 
     def check_update(self, update: ClientUpdate) -> None:
         tau = update.metrics.get(LOCAL_AGGREGATION_WEIGHT)
@@ -130,17 +131,17 @@ class FedCoSRStrategy(PrototypeStrategy):
             raise PayloadError(f"la-tau must be a float in [0, 1], got {tau!r}")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return self.prototypes.to_config(GLOBAL_PROTOTYPES) if self.prototypes else {}
+        return self.global_prototypes.to_config(GLOBAL_PROTOTYPES) if self.global_prototypes else {}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        prototypes, mask = aggregate_prototypes(*stacked_statistics(updates), "count")  # Eq. 6
-        if self.options.keep_missing_prototypes and self.prototypes is not None:
-            kept = ~mask & self.prototypes.mask
-            prototypes[kept], mask = self.prototypes.vectors[kept], mask | self.prototypes.mask
-        self.prototypes = ClassVectors(prototypes, mask)
+        prototypes, mask = aggregate_prototypes(*stacked_statistics(updates), "count", **self.prototype_rule)  # Eq. 6
+        if self.options.keep_missing_prototypes and self.global_prototypes is not None:
+            kept = ~mask & self.global_prototypes.mask
+            prototypes[kept], mask = self.global_prototypes.vectors[kept], mask | self.global_prototypes.mask
+        self.global_prototypes = ClassVectors(prototypes, mask)
         taus = [u.metrics[LOCAL_AGGREGATION_WEIGHT] for u in updates]  # tau across clients
         self.recorder.update(server_round, la_tau_mean=float(np.mean(taus)), la_tau_min=min(taus), la_tau_max=max(taus))
-        return average_parameters(updates)  # Eq. 5
+        return self.average_parameters(updates)  # Eq. 5
 
 
 # --- client -----------------------------------------------------------------------------

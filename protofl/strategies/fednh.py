@@ -31,10 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import PayloadError
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import SplitModel
+from protofl.task.prototypes import robust_class_means
+from protofl.task.robust import RobustRule
 
 PROTOTYPES = "prototypes"  # W, C x d unit rows, broadcast in the fit and evaluate config
 
@@ -91,6 +93,8 @@ def update_prototypes(
     class_counts: np.ndarray,
     rho: float,
     normalize_means: bool = True,
+    rule: RobustRule = "method",
+    trim_fraction: float = 0.2,
 ) -> np.ndarray:
     """The server's prototype step (Eq. 4) for C x d prototypes, K x C x d client class means
     (means of unit features, zero rows for absent classes) and K x C class counts.
@@ -98,6 +102,7 @@ def update_prototypes(
     m_c = sum_k n_kc u_kc / sum_k n_kc, with u_kc the client mean normalised (``normalize_means``,
     official code, which then normalises m_c too) or raw (Eq. 4 as written);
     W_c <- normalise(rho W_c + (1 - rho) m_c). Classes with no samples this round are unchanged.
+    Another robust ``rule`` replaces the count-weighted mean of m_c.
     """
     counts = class_counts.astype(np.float64)
     total = counts.sum(axis=0)
@@ -107,7 +112,10 @@ def update_prototypes(
     means = class_means.astype(np.float64)
     if normalize_means:
         means = _unit_rows(means)
-    mixed = np.einsum("kc,kcd->cd", counts, means)[held] / total[held, None]
+    if rule == "method":
+        mixed = np.einsum("kc,kcd->cd", counts, means)[held] / total[held, None]
+    else:
+        mixed = robust_class_means(means, counts, rule, trim_fraction)[held]
     if normalize_means:
         mixed = _unit_rows(mixed)
     updated = prototypes.astype(np.float64)
@@ -145,14 +153,21 @@ def prepare_model(model: SplitModel, settings: ExperimentSettings) -> SplitModel
 
 class FedNHStrategy(PrototypeStrategy):
     options_class = FedNHOptions
+    state_fields = ("prototypes",)
 
     @property
     def prototypes(self) -> np.ndarray:
         """W^t: the GM's head holds the only copy."""
         return self.model.head.prototypes.cpu().numpy()
 
+    @prototypes.setter
+    def prototypes(self, value: np.ndarray) -> None:
+        self.model.head.prototypes.copy_(torch.from_numpy(value))
+
     def check_update(self, update: ClientUpdate) -> None:
-        if (np.linalg.norm(update.statistics.means, axis=1) > 1.0 + 1e-3).any():
+        if self.settings.dp_noise > 0:
+            return  # noised means leave the unit ball; the server normalises them (prototype-means)
+        if (np.linalg.norm(update.statistics.means.astype(np.float64), axis=1) > 1.0 + 1e-3).any():
             raise PayloadError("a class mean of unit features has a norm above 1")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
@@ -161,9 +176,10 @@ class FedNHStrategy(PrototypeStrategy):
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         means, counts = stacked_statistics(updates)
         normalize_means = self.options.prototype_means == "normalized"
-        updated = update_prototypes(self.prototypes, means, counts, self.options.rho, normalize_means)  # Eq. 4
-        self.model.head.prototypes.copy_(torch.from_numpy(updated))
-        return average_parameters(updates, self.options.weighted)  # Alg. 1 line 9
+        self.prototypes = update_prototypes(  # Eq. 4
+            self.prototypes, means, counts, self.options.rho, normalize_means, **self.prototype_rule
+        )
+        return self.average_parameters(updates, None if self.options.weighted else [1] * len(updates))  # Alg. 1 l. 9
 
 
 # --- client -----------------------------------------------------------------------------

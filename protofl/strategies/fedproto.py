@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import PrototypeWeighting, aggregate_prototypes
@@ -56,6 +56,7 @@ def prototype_loss(
 
 class FedProtoStrategy(PrototypeStrategy):
     options_class = FedProtoOptions
+    state_fields = ("global_prototypes",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -65,9 +66,11 @@ class FedProtoStrategy(PrototypeStrategy):
         return self.global_prototypes.to_config(GLOBAL_PROTOTYPES) if self.global_prototypes else {}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
-        prototypes, mask = aggregate_prototypes(*stacked_statistics(updates), self.options.weighting)  # Eq. 5
+        prototypes, mask = aggregate_prototypes(  # Eq. 5
+            *stacked_statistics(updates), self.options.weighting, **self.prototype_rule
+        )
         self.global_prototypes = ClassVectors(prototypes, mask)
-        return average_parameters(updates) if self.has_global_model else None
+        return self.average_parameters(updates) if self.has_global_model else None
 
 
 class FedProtoClient(PrototypeClient):

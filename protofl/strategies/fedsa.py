@@ -158,6 +158,7 @@ def anchor_calibration_loss(head: nn.Module, anchors: torch.Tensor) -> torch.Ten
 class FedSAStrategy(PrototypeStrategy):
     options_class = FedSAOptions
     loss_metrics = LOSS_KEYS
+    state_fields = ("anchors", "global_prototypes")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -173,7 +174,7 @@ class FedSAStrategy(PrototypeStrategy):
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
         prototypes, mask = aggregate_prototypes(  # Eq. 3 as the code
-            *stacked_statistics(updates), PROTO_AGGS[self.options.proto_agg]
+            *stacked_statistics(updates), PROTO_AGGS[self.options.proto_agg], **self.prototype_rule
         )
         self.global_prototypes = ClassVectors(prototypes, mask)
         self.anchors = ema_update(self.anchors, prototypes, mask, self.options.ema)

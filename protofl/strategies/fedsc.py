@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, average_parameters, stacked_statistics
+from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import ArraySpec, ClassVectors
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import (
@@ -94,11 +94,11 @@ def label_discrepancy(class_counts: np.ndarray) -> np.ndarray:
 
 
 def consistent_prototypes(
-    relational: np.ndarray, held: np.ndarray, weights: np.ndarray
+    relational: np.ndarray, held: np.ndarray, weights: np.ndarray, **rule
 ) -> tuple[np.ndarray, np.ndarray]:
     """o^j = sum_k e_k r_k^j / sum_k e_k over the clients holding j (Eq. 12, renormalised);
-    (C x d, C mask of classes someone holds)."""
-    return aggregate_prototypes(relational, held * np.asarray(weights, dtype=np.float64)[:, None], "count")
+    (C x d, C mask of classes someone holds). ``rule``: :func:`aggregate_prototypes`' robust rule."""
+    return aggregate_prototypes(relational, held * np.asarray(weights, dtype=np.float64)[:, None], "count", **rule)
 
 
 # --- client math ------------------------------------------------------------------------
@@ -125,6 +125,7 @@ def consistency_loss(
 class FedSCStrategy(PrototypeStrategy):
     options_class = FedSCOptions
     loss_metrics = LOSS_KEYS
+    state_fields = ("knowledge",)
     broadcast_to_evaluate = False  # evaluation scores the global model's head
 
     def __init__(self, *args, **kwargs) -> None:
@@ -140,7 +141,7 @@ class FedSCStrategy(PrototypeStrategy):
         relational = relational_prototypes(prototypes, held, self.options.neighbours, self.options.neighbour_metric)
         discrepancies = label_discrepancy(counts)
         weights = sigmoid_discrepancy_weights(counts.sum(axis=1), discrepancies)  # Eq. 11
-        consistent = ClassVectors(*consistent_prototypes(relational, held, weights))
+        consistent = ClassVectors(*consistent_prototypes(relational, held, weights, **self.prototype_rule))
         self.knowledge = {
             RELATIONAL_PROTOTYPES: relational[held],
             RELATIONAL_LABELS: np.nonzero(held)[1].astype(np.int64),
@@ -152,7 +153,7 @@ class FedSCStrategy(PrototypeStrategy):
             consistent_weight_min=float(weights.min()),
             consistent_weight_max=float(weights.max()),
         )
-        return average_parameters(updates)
+        return self.average_parameters(updates)
 
 
 # --- client -----------------------------------------------------------------------------

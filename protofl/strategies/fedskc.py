@@ -41,8 +41,8 @@ from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_s
 from protofl.federation.wire import ClassStatistics, ClassVectors, server_round
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import SimilarityNorm, multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
+from protofl.task.robust import RobustRule, robust_mean
 from protofl.task.train import PostOrLastEpochPass
-from protofl.task.weights import weighted_average
 
 GLOBAL_KNOWLEDGE = "global-knowledge"  # ClassVectors, C x C, in the fit config only
 LCL_LOSS = "lcl-loss"
@@ -76,14 +76,21 @@ class FedSKCOptions(MethodOptions):
 # --- server math ------------------------------------------------------------------------
 
 
-def global_knowledge(knowledge: np.ndarray, held: np.ndarray, neighbours: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def global_knowledge(
+    knowledge: np.ndarray, held: np.ndarray, neighbours: int = 1, rule: RobustRule = "method",
+    trim_fraction: float = 0.2,
+) -> tuple[np.ndarray, np.ndarray]:
     """K x C x C client knowledge -> (C x C global knowledge, C mask of classes someone holds):
     per class, each holder's vector merged with its nearest ``neighbours`` holders (L2), then the
-    mean over the holders (Eq. 1)."""
+    mean over the holders (Eq. 1), or another robust ``rule`` over them."""
     merged = np.zeros(knowledge.shape[1:], dtype=np.float32)
     mask = held.any(axis=0)
     for c in np.flatnonzero(mask):
-        merged[c] = neighbour_merge(knowledge[held[:, c], c], neighbours, "l2").mean(axis=0)
+        vectors = neighbour_merge(knowledge[held[:, c], c], neighbours, "l2")
+        if rule == "method":
+            merged[c] = vectors.mean(axis=0)
+        else:
+            merged[c] = robust_mean(vectors, np.ones(len(vectors)), rule, trim_fraction)
     return merged, mask
 
 
@@ -133,6 +140,7 @@ def period_review(
 class FedSKCStrategy(PrototypeStrategy):
     options_class = FedSKCOptions
     loss_metrics = (LCL_LOSS,)
+    state_fields = ("knowledge", "global_weights")
     broadcast_to_evaluate = False  # evaluation scores the global model's head
 
     def __init__(self, *args, **kwargs) -> None:
@@ -148,11 +156,11 @@ class FedSKCStrategy(PrototypeStrategy):
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         knowledge, counts = stacked_statistics(updates)
         held = counts > 0
-        new_knowledge, new_mask = global_knowledge(knowledge, held, self.options.neighbours)
+        new_knowledge, new_mask = global_knowledge(knowledge, held, self.options.neighbours, **self.prototype_rule)
         discrepancies = knowledge_discrepancy(knowledge, held, new_knowledge)
         sizes = np.array([u.num_examples for u in updates])
         weights = gda_weights(sizes, discrepancies, self.options.gda_mode if self.options.use_gda else "fedavg")
-        aggregated = weighted_average([u.parameters for u in updates], weights)
+        aggregated = self.average_parameters(updates, weights)
         ratio = None
         if self.options.use_gpr and self.knowledge is not None:
             ratio = variance_ratio(new_knowledge[new_mask], self.knowledge.vectors[self.knowledge.mask])

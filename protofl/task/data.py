@@ -335,6 +335,24 @@ def load_client_data(
     return _client_data(dataset.train, dataset.num_classes, partition, spec, partition_id, device)
 
 
+@dataclass(frozen=True)
+class PartitionSizes:
+    """What a partition holds, as the server can work it out from its own copy of the data set."""
+
+    train_counts: np.ndarray  # training samples per class (int64)
+    num_test: int
+
+
+@functools.lru_cache(maxsize=1024)
+def partition_sizes(name: str, data_dir: str, spec: PartitionSpec, partition_id: int) -> PartitionSizes:
+    """The class counts and test size :func:`load_client_data` gives a partition, without loading it."""
+    dataset = load_dataset(name, data_dir)
+    labels = dataset.train.labels
+    partition = _partitions(name, data_dir, spec)[partition_id]
+    train_idx, test_idx = client_split(labels, partition, spec, partition_id)
+    return PartitionSizes(np.bincount(labels[train_idx], minlength=dataset.num_classes).astype(np.int64), len(test_idx))
+
+
 LOCAL_DATA_FORMATS = ("fmnist", "cifar10", "cifar100")
 
 

@@ -17,6 +17,8 @@ from typing import Literal, get_args
 import numpy as np
 import torch
 
+from protofl.task.robust import RobustRule, robust_mean
+
 NeighbourMetric = Literal["angle", "l1", "l2", "cosine", "kl"]
 SimilarityNorm = Literal["mean-distance", "none"]
 PrototypeWeighting = Literal["count", "uniform"]
@@ -27,24 +29,39 @@ WEIGHT_FORMS = ("normalized", "raw-counts")
 
 
 def aggregate_prototypes(
-    prototypes: np.ndarray, counts: np.ndarray, weighting: PrototypeWeighting = "count"
+    prototypes: np.ndarray, counts: np.ndarray, weighting: PrototypeWeighting = "count",
+    rule: RobustRule = "method", trim_fraction: float = 0.2,
 ) -> tuple[np.ndarray, np.ndarray]:
     """K x C x d client prototypes and K x C counts -> (C x d global prototypes, C mask).
 
     Class c's global prototype is the mean of the clients' prototypes of c weighted by their
-    counts of c (``count``) or unweighted over the clients holding c (``uniform``). The mask
-    marks classes held by at least one client; their rows are zero otherwise.
+    counts of c (``count``) or unweighted over the clients holding c (``uniform``), or another
+    ``rule`` of :mod:`protofl.task.robust` over them. The mask marks classes held by at least one
+    client; their rows are zero otherwise.
     """
     if weighting not in PROTOTYPE_WEIGHTINGS:
         raise ValueError(f"weighting must be one of {PROTOTYPE_WEIGHTINGS}, got {weighting!r}")
     held = counts > 0
     weights = counts.astype(np.float64) if weighting == "count" else held.astype(np.float64)
     total = weights.sum(axis=0)
-    summed = np.einsum("kc,kcd->cd", weights, prototypes.astype(np.float64))
     mask = total > 0
     global_prototypes = np.zeros(prototypes.shape[1:], dtype=np.float32)
+    if rule != "method":
+        global_prototypes[mask] = robust_class_means(prototypes, weights, rule, trim_fraction)[mask]
+        return global_prototypes, mask
+    summed = np.einsum("kc,kcd->cd", weights, prototypes.astype(np.float64))
     global_prototypes[mask] = summed[mask] / total[mask, None]
     return global_prototypes, mask
+
+
+def robust_class_means(vectors: np.ndarray, weights: np.ndarray, rule: RobustRule, trim_fraction: float) -> np.ndarray:
+    """K x C x d vectors, K x C weights -> C x d (float64): per class, ``rule`` over the clients with
+    a positive weight for it; zero rows for classes nobody holds."""
+    result = np.zeros(vectors.shape[1:], dtype=np.float64)
+    for c in np.flatnonzero((weights > 0).any(axis=0)):
+        holders = weights[:, c] > 0
+        result[c] = robust_mean(vectors[holders, c], weights[holders, c], rule, trim_fraction)
+    return result
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -124,22 +141,38 @@ def multi_positive_infonce(
     return (torch.logsumexp(logits, dim=1) - torch.logsumexp(positives, dim=1)).mean()
 
 
+def _shares(values: np.ndarray) -> np.ndarray:
+    """values / their sum (>= 0 each), without overflow; zeros when they sum to 0."""
+    with np.errstate(over="ignore"):
+        total = values.sum()
+    if np.isinf(total):
+        values = values / values.max()
+        total = values.sum()
+    return values / total if total > 0 else np.zeros_like(values)
+
+
 def sigmoid_discrepancy_weights(sizes: np.ndarray, discrepancies: np.ndarray, form: str = "normalized") -> np.ndarray:
     """Aggregation weights e_k, summing to 1, that favour large clients with a small discrepancy.
 
     ``normalized``: e_k proportional to sigmoid(n_k / sum n - d_k / sum d) (FedSC Eq. 11).
     ``raw-counts``: sigmoid(n_k - a_k d_k + b_k), a_k = d_k / sum d, b_k = n_k / sum n (FedSKC Eq. 4 as
     printed; with sample counts in the hundreds every sigmoid is 1.0 and the weights are uniform).
+    Safe on any finite input: when every sigmoid underflows, they are compared in log space.
     """
     n = np.asarray(sizes, dtype=np.float64)
     d = np.asarray(discrepancies, dtype=np.float64)
-    d_share = d / d.sum() if d.sum() > 0 else np.zeros_like(d)
-    n_share = n / n.sum()
+    d_share, n_share = _shares(d), _shares(n)
     if form == "normalized":
         score = n_share - d_share
     elif form == "raw-counts":
         score = n - d_share * d + n_share
     else:
         raise ValueError(f"weight form must be one of {WEIGHT_FORMS}, got {form!r}")
-    sigmoid = 1.0 / (1.0 + np.exp(-score))
-    return sigmoid / sigmoid.sum()
+    with np.errstate(over="ignore"):
+        sigmoid = 1.0 / (1.0 + np.exp(-score))
+    total = sigmoid.sum()
+    if not (np.isfinite(total) and total > 0):  # every sigmoid underflowed: compare them in log space
+        log_sigmoid = -np.logaddexp(0.0, -score)
+        sigmoid = np.exp(log_sigmoid - log_sigmoid.max())
+        total = sigmoid.sum()
+    return sigmoid / total

@@ -1,0 +1,154 @@
+"""Which node holds which partition: the claims nodes make at discovery, checked.
+
+Node ids are random per run, partitions are not, so the server asks each node for its properties:
+its partition id, the federation's number of partitions, its training and test sizes. Each answer
+is a claim, and a claim is only believed when it fits what the server knows:
+
+- the answer must be well formed (integers, not booleans, in range); a malformed one refuses the
+  node for the run;
+- a node whose query failed is asked again in the next rounds, at most ``DISCOVERY_ATTEMPTS`` times;
+- the number of partitions is the run config's ``num-partitions``, else the value most nodes report
+  (ties: the smaller), fixed once the first discovery is done; a node that reports another value,
+  or an id outside it, holds nothing;
+- with ``verify-partitions`` the server rebuilds each partition from its own copy of the data set,
+  and a node's sizes must be that partition's;
+- a partition claimed by two live nodes is given to neither (logged) until one of them is gone: a
+  node that restarts under a new node id gets its partition back once the old id has left.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from logging import WARNING
+from typing import Any, Callable, Iterable, Mapping
+
+from flwr.common.logger import log
+
+from protofl.federation.wire import NUM_PARTITIONS, NUM_TEST, NUM_TRAIN, PARTITION_ID, PayloadError, rejection_reason
+from protofl.task.data import PartitionSizes
+
+DISCOVERY_ATTEMPTS = 3
+
+# (num_partitions, partition_id) -> the partition's sizes as the server's data gives them
+ExpectedSizes = Callable[[int, int], PartitionSizes]
+
+
+def _count(properties: Mapping[str, Any], key: str, minimum: int = 0) -> int:
+    value = properties.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise PayloadError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PartitionClaim:
+    """What a node says it holds."""
+
+    partition_id: int
+    num_partitions: int
+    num_train: int
+    num_test: int
+
+    @classmethod
+    def from_properties(cls, properties: Any) -> "PartitionClaim":
+        if not isinstance(properties, Mapping):
+            raise PayloadError(f"properties must be a mapping, got {type(properties).__name__}")
+        return cls(
+            _count(properties, PARTITION_ID), _count(properties, NUM_PARTITIONS, 1),
+            _count(properties, NUM_TRAIN, 1), _count(properties, NUM_TEST, 1),
+        )
+
+
+class PartitionRegistry:
+    """The claims of every node the server has asked, and who holds what among the live nodes."""
+
+    def __init__(self, num_partitions: int = 0, expected: ExpectedSizes | None = None) -> None:
+        self.fixed = num_partitions or None
+        self.expected = expected
+        self.claims: dict[str, PartitionClaim] = {}
+        self.refused: dict[str, str] = {}
+        self.failed: Counter[str] = Counter()
+        self.warned: set[Any] = set()
+
+    # --- discovery ----------------------------------------------------------------------------
+
+    def to_query(self, node_ids: Iterable[str]) -> list[str]:
+        """The nodes to ask: new ones, and those whose earlier queries failed (a few times at most)."""
+        return [
+            node for node in node_ids
+            if node not in self.claims and node not in self.refused and self.failed[node] < DISCOVERY_ATTEMPTS
+        ]
+
+    def record(self, node_id: str, reply: Any) -> None:
+        """A node's properties, or the exception its query raised."""
+        if isinstance(reply, BaseException):
+            self.failed[node_id] += 1
+            again = "asked again next round" if self.failed[node_id] < DISCOVERY_ATTEMPTS else "not asked again"
+            log(WARNING, "node %s did not report its partition (%s): %s", node_id, again, rejection_reason(reply))
+            return
+        try:
+            self.claims[node_id] = PartitionClaim.from_properties(reply)
+        except PayloadError as err:
+            self.refused[node_id] = rejection_reason(err)
+            log(WARNING, "node %s holds no partition: %s", node_id, self.refused[node_id])
+
+    @property
+    def num_partitions(self) -> int | None:
+        """The run config's value, else the value most nodes report (ties: the smaller)."""
+        if self.fixed:
+            return self.fixed
+        reports = Counter(claim.num_partitions for claim in self.claims.values())
+        return min(reports, key=lambda n: (-reports[n], n)) if reports else None
+
+    def freeze(self) -> None:
+        """Fix the number of partitions (after the first discovery)."""
+        self.fixed = self.num_partitions
+
+    # --- what is known of a partition ---------------------------------------------------------
+
+    def sizes(self, partition_id: int) -> PartitionSizes | None:
+        """The partition's sizes from the server's data (None without ``verify-partitions``)."""
+        n = self.num_partitions
+        return self.expected(n, partition_id) if self.expected is not None and n else None
+
+    def problem(self, claim: PartitionClaim) -> str | None:
+        """Why a claim is not believed, or None."""
+        n = self.num_partitions
+        if claim.num_partitions != n:
+            return f"reports num-partitions {claim.num_partitions}, the run has {n}"
+        if not claim.partition_id < n:
+            return f"partition-id {claim.partition_id} is outside [0, {n})"
+        sizes = self.sizes(claim.partition_id)
+        if sizes is not None and (claim.num_train, claim.num_test) != (int(sizes.train_counts.sum()), sizes.num_test):
+            return (
+                f"reports {claim.num_train} training and {claim.num_test} test samples, but partition "
+                f"{claim.partition_id} has {int(sizes.train_counts.sum())} and {sizes.num_test}"
+            )
+        return None
+
+    def holders(self, live: Iterable[str]) -> dict[int, str]:
+        """Partition id -> the one live node whose claim to it is believed."""
+        claimants: dict[int, list[str]] = defaultdict(list)
+        for node in sorted(live):
+            claim = self.claims.get(node)
+            if claim is None:
+                continue
+            problem = self.problem(claim)
+            if problem is None:
+                claimants[claim.partition_id].append(node)
+            else:
+                self._warn_once((node, problem), "node %s holds no partition: %s", node, problem)
+        held = {}
+        for pid, nodes in sorted(claimants.items()):
+            if len(nodes) == 1:
+                held[pid] = nodes[0]
+            else:
+                self._warn_once((pid, tuple(nodes)), "partition %d is claimed by nodes %s: given to neither "
+                                "until only one of them is connected", pid, ", ".join(nodes))
+        return held
+
+    def _warn_once(self, key: Any, message: str, *args: Any) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            log(WARNING, message, *args)

@@ -1,0 +1,389 @@
+"""Hostile clients, in process: every attack class against every method's strategy.
+
+Four nodes hold the four partitions of digits; three send honest-looking updates, node 103
+(partition 3) attacks. The server must not raise, must broadcast only finite arrays, and must end
+the round exactly where the three honest updates alone would have taken it (the attack dropped),
+or, for attacks that are converted rather than dropped, where the honest equivalent takes it.
+"""
+
+import io
+import json
+import pickle
+
+import numpy as np
+import pytest
+from fakes import OK, FakeProxy
+from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+
+from protofl.federation.partitions import PartitionClaim
+from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
+from protofl.settings import ExperimentSettings
+from protofl.strategies import METHODS, build_method_model, get_method
+from protofl.task.data import load_dataset, partition_sizes
+
+N = 4
+HOSTILE = 3
+EXTRA_METRICS = {  # what each method's clients report besides the template's keys
+    "fedcosr": {"la-tau": 0.5, "contrastive-loss": 0.3, "ce-loss": 0.7},
+    "fedsa": {"regularization-loss": 0.1, "margin-contrastive-loss": 0.2, "calibration-loss": 0.3},
+    "fedsc": {"rpcl-loss": 0.4, "cpdr-loss": 0.1},
+    "fedskc": {"lcl-loss": 0.5},
+}
+
+
+def settings_for(method, tmp_path, name, **overrides):
+    model = "fednh-cnn" if method == "fednh" else "cnn"
+    return ExperimentSettings(method=method, model=model, output_dir=str(tmp_path), run_name=name,
+                              min_fit_clients=2, **overrides)
+
+
+def make_strategy(method, tmp_path, name="run", **overrides):
+    """A strategy after discovery: nodes 100..103 claim partitions 0..3 with their real sizes."""
+    settings = settings_for(method, tmp_path, name, **overrides)
+    dataset = load_dataset("digits")
+    strategy_class, _ = get_method(method)
+
+    def sizes(n, pid):
+        return partition_sizes("digits", "", settings.partition_spec(n), pid)
+
+    strategy = strategy_class(settings, build_method_model(settings, dataset), 10, partition_sizes=sizes)
+    for p in range(N):
+        expected = sizes(N, p)
+        claim = PartitionClaim(p, N, int(expected.train_counts.sum()), expected.num_test)
+        strategy.registry.claims[str(100 + p)] = claim
+    strategy.registry.freeze()
+    holders = strategy.registry.holders(strategy.registry.claims)
+    strategy.partitions = {p: FakeProxy(node) for p, node in holders.items()}
+    strategy.sampled = list(range(N))
+    strategy.asked = {str(100 + p): p for p in range(N)}
+    return strategy
+
+
+def honest_update(strategy, pid, round_=1):
+    """A plausible fit reply of partition ``pid``: small parameter changes, unit-scale class vectors."""
+    rng = np.random.default_rng(10 * round_ + pid)
+    parameters = [(w + rng.normal(0, 0.01, w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w.copy()
+                  for w in strategy.shared_weights()]
+    counts = strategy.registry.sizes(pid).train_counts
+    dim = strategy.options.statistics_dim(10, strategy.feature_dim)
+    metrics = {"partition-id": pid, "train-loss": 1.0, **EXTRA_METRICS.get(strategy.settings.method, {})}
+    if strategy.options.statistics is not None:
+        means = np.zeros((10, dim), np.float32)
+        rows = rng.normal(1.0, 0.2, (10, dim)) / np.sqrt(dim)  # norm about 1, within FedNH's unit ball
+        means[counts > 0] = (rows / np.maximum(1.0, np.linalg.norm(rows, axis=1, keepdims=True)))[counts > 0]
+        metrics |= ClassStatistics(means, counts).to_metrics()
+    return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(parameters), int(counts.sum()), metrics)
+
+
+def _means(res):
+    return np.load(io.BytesIO(res.metrics[CLASS_MEANS]))
+
+
+def _with(res, parameters=None, num_examples=None, **metrics):
+    return FitRes(OK, parameters if parameters is not None else res.parameters,
+                  res.num_examples if num_examples is None else num_examples, res.metrics | metrics)
+
+
+def _scaled_parameters(strategy, res, factor):
+    arrays = parameters_to_ndarrays(res.parameters)
+    return ndarrays_to_parameters([
+        (s + factor * (a - s)).astype(a.dtype) if a.dtype.kind == "f" else a
+        for a, s in zip(arrays, strategy.shared_weights())
+    ])
+
+
+def _pickled_array():
+    return b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (1,), }" + b" " * 53 + b"\n" + \
+        pickle.dumps([1])
+
+
+# Each attack: (strategy, honest reply of partition 3) -> the list of (proxy, reply) the hostile node sends.
+def attack_huge_class_vector(strategy, res):
+    means = _means(res)
+    means[np.flatnonzero(means.any(axis=1))[0]] = 1e21
+    return [(FakeProxy("103"), _with(res, **{CLASS_MEANS: encode_array(means)}))]
+
+
+def attack_scaled_parameters(strategy, res):
+    return [(FakeProxy("103"), _with(res, parameters=_scaled_parameters(strategy, res, 1e6)))]
+
+
+def attack_inflated_size(strategy, res):  # 10^12 samples, counts (where sent) raised to add up
+    if CLASS_COUNTS not in res.metrics:
+        return [(FakeProxy("103"), _with(res, num_examples=10**12))]
+    counts = np.load(io.BytesIO(res.metrics[CLASS_COUNTS]))
+    counts[np.argmax(counts)] += 10**12 - counts.sum()
+    return [(FakeProxy("103"), _with(res, num_examples=10**12, **{CLASS_COUNTS: encode_array(counts)}))]
+
+
+def attack_overflowing_counts(strategy, res):  # int64 values that wrap around to the true total
+    counts = np.load(io.BytesIO(res.metrics[CLASS_COUNTS]))
+    counts[:4] += 2**62  # each still a valid int64; 4 x 2**62 = 2**64 wraps to 0 in an int64 sum
+    assert counts.sum() == res.num_examples
+    return [(FakeProxy("103"), _with(res, **{CLASS_COUNTS: encode_array(counts)}))]
+
+
+def attack_shifted_counts(strategy, res):  # the right total, the wrong classes
+    counts = np.load(io.BytesIO(res.metrics[CLASS_COUNTS]))
+    return [(FakeProxy("103"), _with(res, **{CLASS_COUNTS: encode_array(np.roll(counts, 1))}))]
+
+
+def attack_twice(strategy, res):
+    return [(FakeProxy("103"), res), (FakeProxy("103"), _with(res, parameters=_scaled_parameters(strategy, res, 5.0)))]
+
+
+def attack_other_partition(strategy, res):
+    return [(FakeProxy("103"), _with(res, **{"partition-id": 0}))]
+
+
+def attack_not_asked(strategy, res):
+    return [(FakeProxy("999"), res)]
+
+
+def attack_bool_loss(strategy, res):
+    return [(FakeProxy("103"), _with(res, **{"train-loss": True}))]
+
+
+def attack_huge_text(strategy, res):  # a reason quoting it must not flood the logs or results.json
+    return [(FakeProxy("103"), _with(res, **{"train-loss": "x" * 10**6, "partition-id": "y" * 10**6}))]
+
+
+def attack_malformed_blobs(strategy, res):
+    metrics = {CLASS_MEANS: _pickled_array()} if CLASS_MEANS in res.metrics else {}
+    parameters = Parameters(tensors=[b"junk", 42], tensor_type="numpy.ndarray")  # not even bytes
+    return [(FakeProxy("103"), _with(res, parameters=parameters if res.parameters.tensors else None, **metrics))]
+
+
+def attack_not_a_mapping(strategy, res):
+    bad = FitRes(OK, res.parameters, res.num_examples, res.metrics)
+    bad.metrics = [("partition-id", 3)]
+    return [(FakeProxy("103"), bad)]
+
+
+ATTACKS = {f.__name__[len("attack_"):]: f for f in (
+    attack_huge_class_vector, attack_scaled_parameters, attack_inflated_size, attack_overflowing_counts,
+    attack_shifted_counts, attack_twice, attack_other_partition, attack_not_asked, attack_bool_loss,
+    attack_malformed_blobs, attack_not_a_mapping, attack_huge_text,
+)}
+
+
+def server_state(strategy, parameters):
+    arrays = parameters_to_ndarrays(parameters) if parameters is not None and parameters.tensors else []
+    return arrays, strategy.broadcast(2)
+
+
+def assert_same_state(a, b):
+    (arrays_a, sent_a), (arrays_b, sent_b) = a, b
+    assert len(arrays_a) == len(arrays_b) and set(sent_a) == set(sent_b)
+    for x, y in zip(arrays_a, arrays_b):
+        np.testing.assert_array_equal(x, y)
+    for key in sent_a:
+        np.testing.assert_array_equal(sent_a[key], sent_b[key])
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+@pytest.mark.parametrize("method", METHODS)
+def test_a_hostile_update_is_dropped_and_the_round_ends_as_the_honest_ones_alone(tmp_path, method, attack, caplog):
+    strategy = make_strategy(method, tmp_path, "attacked")
+    honest = [honest_update(strategy, p) for p in range(N - 1)]
+    hostile_reply = honest_update(strategy, HOSTILE)[1]
+    if attack in ("huge_class_vector", "overflowing_counts", "shifted_counts") and strategy.options.statistics is None:
+        pytest.skip("FedAvg uploads no class statistics")
+    if attack == "scaled_parameters" and not strategy.shared_weights():
+        pytest.skip(f"{method} shares no parameters")
+    sent = ATTACKS[attack](strategy, hostile_reply)
+    parameters, metrics = strategy.aggregate_fit(1, honest[:2] + sent + honest[2:], [])  # must not raise
+
+    reference = make_strategy(method, tmp_path, "honest")
+    accepted = honest + sent[:1] if attack == "twice" else honest  # the first of two replies counts
+    reference_parameters, _ = reference.aggregate_fit(1, accepted, [])
+    assert metrics["accepted"] == len(accepted)
+    assert_same_state(server_state(strategy, parameters), server_state(reference, reference_parameters))
+    for array in strategy.broadcast(2).values():
+        assert np.isfinite(array).all()
+    record = json.loads((tmp_path / "attacked" / "results.json").read_text())["rounds"][0]
+    assert len(record["dropped"]) == len(sent) - (attack == "twice")
+    assert all(0 < len(d["reason"]) <= 303 and d["node"] in ("103", "999") for d in record["dropped"])
+    assert len(caplog.text) < 10**5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_big_endian_arrays_are_read_as_the_same_values(tmp_path, method):
+    strategy = make_strategy(method, tmp_path, "big-endian")
+    replies = [honest_update(strategy, p) for p in range(N)]
+    proxy, res = replies[HOSTILE]
+    swapped = {k: encode_array(np.load(io.BytesIO(v)).astype(np.load(io.BytesIO(v)).dtype.newbyteorder(">")))
+               for k, v in res.metrics.items() if isinstance(v, bytes)}
+    tensors = [encode_array(a.astype(a.dtype.newbyteorder(">"))) for a in parameters_to_ndarrays(res.parameters)]
+    replies[HOSTILE] = (proxy, _with(res, parameters=Parameters(tensors, "numpy.ndarray"), **swapped))
+    parameters, metrics = strategy.aggregate_fit(1, replies, [])
+    reference = make_strategy(method, tmp_path, "native")
+    reference_parameters, _ = reference.aggregate_fit(1, [honest_update(reference, p) for p in range(N)], [])
+    assert metrics["accepted"] == N
+    assert_same_state(server_state(strategy, parameters), server_state(reference, reference_parameters))
+    for array in parameters_to_ndarrays(parameters) if parameters.tensors else []:
+        assert array.dtype.isnative
+    if strategy.has_global_model:  # the crash of the issue: the server's own evaluation of the aggregate
+        strategy.global_test = reference.global_test = load_dataset_tensors()
+        assert strategy.evaluate(1, parameters) == reference.evaluate(1, reference_parameters)
+
+
+def load_dataset_tensors():
+    import torch
+
+    test = load_dataset("digits").test
+    return torch.from_numpy(test.images[:50]), torch.from_numpy(test.labels[:50])
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "fedavg"])
+def test_a_huge_class_vector_without_the_screen_cannot_make_a_broadcast_non_finite(tmp_path, method):
+    """Screen off: the 1e21 row reaches the server rule (FedSKC's GDA weights were 0/0 there); what
+    goes out is finite, or the round keeps the previous state."""
+    strategy = make_strategy(method, tmp_path, "unscreened", screen_factor=0.0)
+    replies = [honest_update(strategy, p) for p in range(N - 1)]
+    replies += attack_huge_class_vector(strategy, honest_update(strategy, HOSTILE)[1])
+    parameters, _ = strategy.aggregate_fit(1, replies, [])
+    for array in list(strategy.broadcast(2).values()) + (parameters_to_ndarrays(parameters) if parameters else []):
+        assert np.isfinite(array).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_non_finite_aggregate_keeps_the_previous_global_state(tmp_path, method, monkeypatch):
+    strategy = make_strategy(method, tmp_path, "kept")
+    first, _ = strategy.aggregate_fit(1, [honest_update(strategy, p) for p in range(N)], [])
+    before = server_state(strategy, first)
+    rule = type(strategy).aggregate_updates
+
+    def poisoned_rule(self, server_round, updates):
+        result = rule(self, server_round, updates)
+        for name in self.state_fields:  # the state a method keeps goes non-finite too
+            setattr(self, name, _nan(getattr(self, name)))
+        return [a * np.nan if a.dtype.kind == "f" else a for a in result] if result is not None else None
+
+    monkeypatch.setattr(type(strategy), "aggregate_updates", poisoned_rule)
+    strategy.asked = {str(100 + p): p for p in range(N)}
+    parameters, metrics = strategy.aggregate_fit(2, [honest_update(strategy, p, 2) for p in range(N)], [])
+    if strategy.shared_weights():
+        assert parameters is None  # Flower keeps the previous parameters
+        parameters = first
+    assert_same_state(server_state(strategy, parameters), before)
+    record = json.loads((tmp_path / "kept" / "results.json").read_text())["rounds"][1]
+    assert "not finite" in record["kept_previous"]
+
+
+def _nan(value):
+    if isinstance(value, np.ndarray):
+        return value * np.nan if value.dtype.kind == "f" else value
+    if isinstance(value, ClassVectors):
+        return ClassVectors(value.vectors * np.nan, value.mask)
+    if isinstance(value, dict):
+        return {k: _nan(v) for k, v in value.items()}
+    return [_nan(v) for v in value] if isinstance(value, list) else value
+
+
+def test_a_failing_server_rule_keeps_the_state_and_the_run(tmp_path, monkeypatch):
+    strategy = make_strategy("fedskc", tmp_path, "failing")
+    strategy.aggregate_fit(1, [honest_update(strategy, p) for p in range(N)], [])
+    knowledge = strategy.knowledge
+
+    def failing(self, server_round, updates):
+        self.knowledge = None  # half-way through, then it raises
+        raise FloatingPointError("boom")
+
+    monkeypatch.setattr(type(strategy), "aggregate_updates", failing)
+    parameters, _ = strategy.aggregate_fit(2, [honest_update(strategy, p, 2) for p in range(N)], [])
+    assert parameters is None
+    np.testing.assert_array_equal(strategy.knowledge.vectors, knowledge.vectors)
+    record = json.loads((tmp_path / "failing" / "results.json").read_text())["rounds"][1]
+    assert record["kept_previous"] == "the server rule failed: FloatingPointError: boom"
+
+
+# --- evaluation results ------------------------------------------------------------------------
+
+
+def evaluation(strategy, pid, correct, **extra):
+    num_test = strategy.registry.sizes(pid).num_test
+    metrics = {"correct": correct, "partition-id": pid, **extra}
+    return FakeProxy(str(100 + pid)), EvaluateRes(OK, 0.5, num_test, metrics)
+
+
+@pytest.mark.parametrize("attack", ["inflated", "bool", "missing-correct", "negative-loss", "twice", "other-size"])
+def test_a_hostile_evaluation_is_dropped_and_the_round_keeps_its_pm(tmp_path, attack):
+    strategy = make_strategy("fedproto", tmp_path, "evaluated")
+    honest = [evaluation(strategy, p, strategy.registry.sizes(p).num_test // 2) for p in range(N - 1)]
+    proxy, res = evaluation(strategy, HOSTILE, 1)
+    sent = {
+        "inflated": [(proxy, EvaluateRes(OK, 0.0, 10**12, {"correct": 10**12}))],
+        "bool": [(proxy, EvaluateRes(OK, 0.1, res.num_examples, {"correct": True}))],
+        "missing-correct": [(proxy, EvaluateRes(OK, 0.1, res.num_examples, {"pm-l": 0.5}))],
+        "negative-loss": [(proxy, EvaluateRes(OK, -1e9, res.num_examples, {"correct": 1}))],
+        "twice": [(proxy, res), (proxy, EvaluateRes(OK, 0.0, res.num_examples, {"correct": res.num_examples}))],
+        "other-size": [(proxy, EvaluateRes(OK, 0.0, res.num_examples - 1, {"correct": res.num_examples - 1}))],
+    }[attack]
+    _, metrics = strategy.aggregate_evaluate(1, honest + sent, [])
+    kept = honest + sent[:1] if attack == "twice" else honest
+    correct = sum(r.metrics["correct"] for _, r in kept)
+    assert metrics["personalized_accuracy"] == pytest.approx(correct / sum(r.num_examples for _, r in kept))
+    record = json.loads((tmp_path / "evaluated" / "results.json").read_text())["rounds"][0]
+    assert [d["stage"] for d in record["dropped"]] == ["evaluate"]
+
+
+def test_a_predictor_one_client_leaves_out_is_scored_over_the_others(tmp_path):
+    strategy = make_strategy("fedproto", tmp_path, "predictors")
+    results = [evaluation(strategy, p, 1, **{"correct-head": 2}) for p in range(N - 1)]
+    results.append(evaluation(strategy, HOSTILE, 1))  # no correct-head
+    _, metrics = strategy.aggregate_evaluate(1, results, [])
+    tested = [strategy.registry.sizes(p).num_test for p in range(N)]
+    assert metrics["personalized_accuracy"] == pytest.approx(N / sum(tested))
+    assert metrics["personalized_accuracy_head"] == pytest.approx(2 * (N - 1) / sum(tested[: N - 1]))
+
+
+# --- whole runs in process: discovery and DP ----------------------------------------------------
+
+RUN = {"num-server-rounds": 2, "local-epochs": 1, "global-test-pm": False, "min-fit-clients": 1}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_stolen_partition_is_given_to_neither_and_a_flaky_node_is_asked_again(tmp_path, caplog, verify):
+    from inprocess import InProcessProxy, run_in_process
+
+    class Thief(InProcessProxy):  # holds partition 2, claims partition 0 (with its own sizes)
+        def get_properties(self, ins, timeout, group_id):
+            reply = super().get_properties(ins, timeout, group_id)
+            reply.properties["partition-id"] = 0
+            return reply
+
+    class Flaky(InProcessProxy):  # its first answer is lost
+        calls = 0
+
+        def get_properties(self, ins, timeout, group_id):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise TimeoutError("no answer")
+            return super().get_properties(ins, timeout, group_id)
+
+    config = RUN | {"method": "fedproto", "verify-partitions": verify, "output-dir": str(tmp_path), "run-name": "run"}
+    run_in_process(config, num_nodes=4, node_class=lambda p: {2: Thief, 3: Flaky}.get(p, InProcessProxy))
+    rounds = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"]
+    if verify:  # the server's copy of partition 0 exposes the thief's sizes
+        assert [r["clients"] for r in rounds] == [[0, 1], [0, 1, 3]]
+        assert "node 1002 holds no partition: reports" in caplog.text
+    else:  # a claim it cannot check: partition 0 goes to neither
+        assert [r["clients"] for r in rounds] == [[1], [1, 3]]
+        assert "partition 0 is claimed by nodes 1000, 1002: given to neither" in caplog.text
+
+
+def test_dp_prototypes_report_the_privacy_spent_each_round(tmp_path):
+    from inprocess import run_in_process
+
+    from protofl.task.privacy import prototype_epsilon
+
+    config = RUN | {"method": "fedproto", "dp-noise": 2.0, "dp-clip": 1.0, "output-dir": str(tmp_path),
+                    "run-name": "dp"}
+    strategy, messages = run_in_process(config, num_nodes=2)
+    rounds = json.loads((tmp_path / "dp" / "results.json").read_text())["rounds"]
+    assert [r["dp_epsilon"] for r in rounds] == [prototype_epsilon(2.0, r, 1e-5) for r in (1, 2)]
+    uploads = [reply for kind, _, reply in messages if kind == "fit"]
+    norms = np.linalg.norm(np.stack([_means(reply) for reply in uploads]), axis=2)
+    assert norms.max() > 1.0  # noise on top of the clipped vectors: not the raw means, not clipped only
+    assert strategy.global_prototypes is not None and rounds[-1]["personalized_accuracy"] is not None

@@ -1,0 +1,75 @@
+"""Partition claims (federation/partitions): who holds what, checked against what the server knows."""
+
+import numpy as np
+import pytest
+
+from protofl.federation.partitions import DISCOVERY_ATTEMPTS, PartitionRegistry
+from protofl.task.data import PartitionSizes
+
+
+def properties(pid, n=4, train=30, test=10):
+    return {"partition-id": pid, "num-partitions": n, "num-train": train, "num-test": test}
+
+
+def registry_with(claims, num_partitions=0, expected=None):
+    registry = PartitionRegistry(num_partitions, expected)
+    for node, reply in claims.items():
+        registry.record(node, reply)
+    registry.freeze()
+    return registry
+
+
+def test_a_partition_claimed_by_two_live_nodes_goes_to_neither_until_one_leaves(caplog):
+    registry = registry_with({"a": properties(0), "b": properties(1), "thief": properties(1)})
+    assert registry.holders(["a", "b", "thief"]) == {0: "a"}
+    assert "partition 1 is claimed by nodes b, thief: given to neither" in caplog.text
+    assert registry.holders(["a", "b"]) == {0: "a", 1: "b"}  # the thief disconnected
+    # a restarted node under a new id gets its partition back once the old id is gone
+    registry.record("b-restarted", properties(1))
+    assert registry.holders(["a", "b-restarted"]) == {0: "a", 1: "b-restarted"}
+
+
+@pytest.mark.parametrize("reply, reason", [
+    (properties(4), "partition-id 4 is outside [0, 4)"),
+    (properties(2, n=1000), "reports num-partitions 1000, the run has 4"),
+    (properties(True), "partition-id must be an integer >= 0, got True"),
+    (properties(-1), "partition-id must be an integer >= 0, got -1"),
+    (properties(1, train=0), "num-train must be an integer >= 1, got 0"),
+    ({"partition-id": 1}, "num-partitions must be an integer >= 1, got None"),
+    ("not a mapping", "properties must be a mapping, got str"),
+])
+def test_claims_outside_the_run_hold_nothing(reply, reason, caplog):
+    registry = registry_with({"a": properties(0), "b": properties(1), "c": properties(2), "x": reply})
+    assert registry.holders(["a", "b", "c", "x"]) == {0: "a", 1: "b", 2: "c"}
+    assert reason in caplog.text
+
+
+def test_the_number_of_partitions_is_the_run_configs_or_the_most_reported():
+    claims = {"a": properties(0), "b": properties(1), "liar": properties(7, n=10**9)}
+    assert registry_with(claims).num_partitions == 4
+    assert registry_with(claims, num_partitions=4).holders(["a", "b", "liar"]) == {0: "a", 1: "b"}
+    registry = registry_with({"a": properties(0, n=2), "b": properties(1, n=3)})  # a tie: the smaller
+    assert registry.num_partitions == 2
+    registry.record("c", properties(2, n=3))
+    assert registry.num_partitions == 2  # fixed after the first discovery
+
+
+def test_sizes_must_match_the_servers_copy_of_the_partition(caplog):
+    def expected(n, pid):
+        return PartitionSizes(np.array([20, 10], np.int64), 10)
+
+    registry = registry_with({"a": properties(0), "big": properties(1, train=10**12)}, expected=expected)
+    assert registry.holders(["a", "big"]) == {0: "a"}
+    assert "reports 1000000000000 training and 10 test samples, but partition 1 has 30 and 10" in caplog.text
+
+
+def test_a_node_whose_query_failed_is_asked_again_a_few_times():
+    registry = PartitionRegistry()
+    for attempt in range(DISCOVERY_ATTEMPTS):
+        assert registry.to_query(["a", "b"]) == ["a", "b"] if attempt == 0 else ["b"]
+        if attempt == 0:
+            registry.record("a", properties(0))
+        registry.record("b", TimeoutError("no answer"))
+    assert registry.to_query(["a", "b"]) == []
+    registry.record("bad", properties(True))
+    assert registry.to_query(["bad"]) == []  # a malformed answer is not asked again
