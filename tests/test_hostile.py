@@ -32,9 +32,8 @@ EXTRA_METRICS = {  # what each method's clients report besides the template's ke
 
 
 def settings_for(method, tmp_path, name, **overrides):
-    model = "fednh-cnn" if method == "fednh" else "cnn"
-    return ExperimentSettings(method=method, model=model, output_dir=str(tmp_path), run_name=name,
-                              min_fit_clients=2, **overrides)
+    overrides = {"model": "fednh-cnn" if method == "fednh" else "cnn"} | overrides
+    return ExperimentSettings(method=method, output_dir=str(tmp_path), run_name=name, min_fit_clients=2, **overrides)
 
 
 def make_strategy(method, tmp_path, name="run", **overrides):
@@ -233,6 +232,22 @@ def load_dataset_tensors():
 
     test = load_dataset("digits").test
     return torch.from_numpy(test.images[:50]), torch.from_numpy(test.labels[:50])
+
+
+def test_the_screen_compares_class_vectors_among_clients_of_one_architecture(tmp_path):
+    """HtFE2: clients 1 and 3 run a ResNet whose features are 12x longer than the CNN's of 0 and 2
+    (measured: 25 vs 2.3 on CIFAR). Honest: nobody dropped; a scaled ResNet client still is."""
+    strategy = make_strategy("fedsa", tmp_path, "family", model="htfe2")
+    replies = [honest_update(strategy, p) for p in range(N)]
+    for p in (1, 3):
+        replies[p] = (replies[p][0], _with(replies[p][1], **{CLASS_MEANS: encode_array(12 * _means(replies[p][1]))}))
+    _, metrics = strategy.aggregate_fit(1, replies, [])
+    assert metrics["accepted"] == N
+    strategy.asked = {str(100 + p): p for p in range(N)}
+    replies[3] = (replies[3][0], _with(replies[3][1], **{CLASS_MEANS: encode_array(100 * _means(replies[3][1]))}))
+    _, metrics = strategy.aggregate_fit(2, replies, [])
+    record = json.loads((tmp_path / "family" / "results.json").read_text())["rounds"][1]
+    assert metrics["accepted"] == N - 1 and [d["partition"] for d in record["dropped"]] == [3]
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "fedavg"])

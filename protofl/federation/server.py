@@ -75,7 +75,7 @@ from protofl.federation.wire import (
 )
 from protofl.report import RunRecorder, personalized_stats, progress_line
 from protofl.settings import ExperimentSettings, MethodOptions
-from protofl.task.models import MODEL_FAMILIES, SplitModel
+from protofl.task.models import MODEL_FAMILIES, SplitModel, client_architecture
 from protofl.task.privacy import prototype_epsilon
 from protofl.task.robust import lower_median, outliers, robust_average_layers
 from protofl.task.sampling import client_seed, sample_partitions
@@ -368,8 +368,9 @@ class PrototypeStrategy(Strategy):
     def _screen(self, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], dict[int, str], dict[str, float]]:
         """The default magnitude screen (``screen-factor``): an update whose parameter change, or
         one of whose class vectors, has a norm above the factor times the round's lower median
-        (per class for class vectors) is dropped. Returns (kept, {partition: reason}, the largest
-        ratios to the median seen: how close honest clients come to the bound)."""
+        (for class vectors: per class, among the clients of the same architecture) is dropped.
+        Returns (kept, {partition: reason}, the largest ratios to the median seen: how close honest
+        clients come to the bound)."""
         reasons: dict[int, str] = {}
         ratios: dict[str, float] = {}
 
@@ -388,13 +389,15 @@ class PrototypeStrategy(Strategy):
         if self.sent_parameters and updates[0].parameters:
             norms = [_change_norm(u.parameters, self.sent_parameters) for u in updates]
             compare("parameter change", "screen_parameter_ratio", everyone, norms)
-        if updates[0].statistics is not None:
+        if updates[0].statistics is not None:  # per architecture: their feature scales differ
             means, counts = stacked_statistics(updates)
             row_norms = np.linalg.norm(means.astype(np.float64), axis=2)
-            for c in range(means.shape[1]):
-                holders = np.flatnonzero(counts[:, c] > 0)
-                if len(holders) > 1:
-                    compare(f"class {c} vector", "screen_prototype_ratio", holders, row_norms[holders, c])
+            architecture = np.array([client_architecture(self.settings.model, u.partition_id) for u in updates])
+            for name in np.unique(architecture):
+                for c in range(means.shape[1]):
+                    holders = np.flatnonzero((counts[:, c] > 0) & (architecture == name))
+                    if len(holders) > 1:
+                        compare(f"class {c} vector", "screen_prototype_ratio", holders, row_norms[holders, c])
         return [u for u in updates if u.partition_id not in reasons], reasons, ratios
 
     def _output_problem(self, server_round: int, parameters: list[np.ndarray] | None) -> str | None:
