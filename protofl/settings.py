@@ -45,6 +45,16 @@ def _describe(annotation: Any) -> str:
     )
 
 
+def is_int(value: Any) -> bool:
+    """An integer, and not a bool (``True`` is not 1 here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _conform(value: Any, annotation: Any) -> tuple[bool, Any]:
     """(whether ``value`` has the type ``annotation`` names, the value as that type)."""
     origin = get_origin(annotation)
@@ -59,9 +69,9 @@ def _conform(value: Any, annotation: Any) -> tuple[bool, Any]:
     if annotation is bool:
         return isinstance(value, bool), value
     if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
+        return is_int(value), value
     if annotation is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = is_number(value)
         return ok, float(value) if ok else value
     if annotation is str:
         return isinstance(value, str), value

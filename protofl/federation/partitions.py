@@ -25,20 +25,21 @@ from typing import Any, Callable, Iterable, Mapping
 
 from flwr.common.logger import log
 
-from protofl.federation.wire import NUM_PARTITIONS, NUM_TEST, NUM_TRAIN, PARTITION_ID, PayloadError, rejection_reason
+from protofl.federation.wire import (
+    NUM_PARTITIONS,
+    NUM_TEST,
+    NUM_TRAIN,
+    PARTITION_ID,
+    PayloadError,
+    checked_count,
+    rejection_reason,
+)
 from protofl.task.data import PartitionSizes
 
 DISCOVERY_ATTEMPTS = 3
 
 # (num_partitions, partition_id) -> the partition's sizes as the server's data gives them
 ExpectedSizes = Callable[[int, int], PartitionSizes]
-
-
-def _count(properties: Mapping[str, Any], key: str, minimum: int = 0) -> int:
-    value = properties.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise PayloadError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,10 @@ class PartitionClaim:
     def from_properties(cls, properties: Any) -> "PartitionClaim":
         if not isinstance(properties, Mapping):
             raise PayloadError(f"properties must be a mapping, got {type(properties).__name__}")
-        return cls(
-            _count(properties, PARTITION_ID), _count(properties, NUM_PARTITIONS, 1),
-            _count(properties, NUM_TRAIN, 1), _count(properties, NUM_TEST, 1),
-        )
+        return cls(*(
+            checked_count(properties.get(key), key, minimum)
+            for key, minimum in ((PARTITION_ID, 0), (NUM_PARTITIONS, 1), (NUM_TRAIN, 1), (NUM_TEST, 1))
+        ))
 
 
 class PartitionRegistry:

@@ -66,6 +66,8 @@ from protofl.federation.wire import (
     ArraySpec,
     ClassStatistics,
     PayloadError,
+    checked_count,
+    checked_loss,
     decode_array,
     encode_array,
     parameters_bytes,
@@ -74,7 +76,7 @@ from protofl.federation.wire import (
     round_config,
 )
 from protofl.report import RunRecorder, personalized_stats, progress_line
-from protofl.settings import ExperimentSettings, MethodOptions
+from protofl.settings import ExperimentSettings, MethodOptions, is_int, is_number
 from protofl.task.models import MODEL_FAMILIES, SplitModel, client_architecture
 from protofl.task.privacy import prototype_epsilon
 from protofl.task.robust import lower_median, outliers, robust_average_layers
@@ -331,16 +333,13 @@ class PrototypeStrategy(Strategy):
     def _parse_fit_result(self, partition_id: int, res: FitRes) -> ClientUpdate:
         metrics = dict(res.metrics)
         pid = metrics.get(PARTITION_ID)
-        if not _is_int(pid) or pid != partition_id:
+        if not is_int(pid) or pid != partition_id:
             raise PayloadError(f"partition-id {pid!r} is not the partition this node holds ({partition_id})")
         known = self._claimed_sizes(partition_id)
-        if not _is_int(res.num_examples) or res.num_examples < 1:
-            raise PayloadError(f"num_examples must be a positive int, got {res.num_examples!r}")
+        checked_count(res.num_examples, "num_examples", 1)
         if known is not None and res.num_examples != known[0]:
             raise PayloadError(f"num_examples {res.num_examples} is not partition {partition_id}'s training size")
-        loss = metrics.get(TRAIN_LOSS)
-        if not _is_number(loss) or not 0.0 <= loss < math.inf:
-            raise PayloadError(f"train-loss must be a finite number >= 0, got {loss!r}")
+        checked_loss(metrics.get(TRAIN_LOSS), TRAIN_LOSS)
         for key in self.loss_metrics:  # loss values a client reports (when it does)
             value = metrics.get(key, 0.0)
             if not isinstance(value, float) or not 0.0 <= value < math.inf:
@@ -459,10 +458,10 @@ class PrototypeStrategy(Strategy):
         self.recorder.write()
         if not self.settings.is_eval_round(server_round):
             log(INFO, "round %d: %s", server_round, progress_line(record))
-        if new_parameters is None and kept_previous is not None and self.shared_indices:
-            return None, {TRAIN_LOSS: train_loss, "accepted": len(updates)}  # Flower keeps the parameters
-        parameters = ndarrays_to_parameters(new_parameters if new_parameters is not None else [])
-        return parameters, {TRAIN_LOSS: train_loss, "accepted": len(updates)}
+        metrics = {TRAIN_LOSS: train_loss, "accepted": len(updates)}
+        if kept_previous and self.shared_indices:
+            return None, metrics  # Flower keeps the parameters
+        return ndarrays_to_parameters(new_parameters if new_parameters is not None else []), metrics
 
     def _aggregate(self, server_round: int, updates: list[ClientUpdate]) -> tuple[list[np.ndarray] | None, str | None]:
         """The server rule on the accepted updates, its output checked: (new parameters, None), or
@@ -513,7 +512,7 @@ class PrototypeStrategy(Strategy):
         if self.settings.evaluate_clients == "all":
             chosen = self._available_partitions(client_manager)
         else:
-            chosen = [p for p in self.sampled if p in self.partitions]
+            chosen = self.sampled
         self.asked = {self.partitions[p].cid: p for p in chosen}
         configs = self.round_configs(server_round, chosen, self.broadcast_to_evaluate)
         return [(self.partitions[p], EvaluateIns(parameters, c)) for p, c in zip(chosen, configs)]
@@ -524,19 +523,17 @@ class PrototypeStrategy(Strategy):
         metrics: Mapping[str, Any] = dict(res.metrics)
         if metrics.get(PARTITION_ID, partition_id) != partition_id:
             raise PayloadError(f"partition-id {metrics.get(PARTITION_ID)!r} is not this node's ({partition_id})")
-        if not _is_int(res.num_examples) or res.num_examples < 1:
-            raise PayloadError(f"num_examples must be a positive int, got {res.num_examples!r}")
+        checked_count(res.num_examples, "num_examples", 1)
         known = self._claimed_sizes(partition_id)
         if known is not None and res.num_examples != known[1]:
             raise PayloadError(f"num_examples {res.num_examples} is not partition {partition_id}'s test size")
-        if not _is_number(res.loss) or not 0.0 <= res.loss < math.inf:
-            raise PayloadError(f"loss must be a finite number >= 0, got {res.loss!r}")
+        checked_loss(res.loss, "loss")
         if CORRECT not in metrics:
             raise PayloadError(f"missing {CORRECT!r}")
         for key, value in metrics.items():
-            if key.startswith(CORRECT) and not (_is_int(value) and 0 <= value <= res.num_examples):
+            if key.startswith(CORRECT) and not (is_int(value) and 0 <= value <= res.num_examples):
                 raise PayloadError(f"{key} must be an integer in [0, {res.num_examples}], got {value!r}")
-            if key in (PM_L, PM_V) and not (_is_number(value) and 0.0 <= value <= 1.0):
+            if key in (PM_L, PM_V) and not (is_number(value) and 0.0 <= value <= 1.0):
                 raise PayloadError(f"{key} must be a number in [0, 1], got {value!r}")
         return partition_id, res
 
@@ -590,14 +587,6 @@ def personalized_fields(results: Sequence[EvaluateRes]) -> dict[str, Any]:
             name = key.replace("-", "_")
             fields.update({name: float(np.mean(values)), f"{name}_std": float(np.std(values))})
     return fields
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _change_norm(parameters: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 from flwr.common import Parameters, Scalar
 
+from protofl.settings import is_int, is_number
+
 ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "bool"})
 NPY_MAGIC = b"\x93NUMPY"
 
@@ -45,6 +47,20 @@ PM_L, PM_V = "pm-l", "pm-v"  # evaluation on the global test set (FedNH's protoc
 
 class PayloadError(ValueError):
     """A payload that must not be used (unreadable, wrong shape or dtype, non-finite, too big)."""
+
+
+def checked_count(value: Any, name: str, minimum: int = 0) -> int:
+    """A count a client reports: an integer (not a bool) >= ``minimum``; raises :class:`PayloadError`."""
+    if not is_int(value) or value < minimum:
+        raise PayloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def checked_loss(value: Any, name: str) -> float:
+    """A loss a client reports: a finite number (not a bool) >= 0; raises :class:`PayloadError`."""
+    if not is_number(value) or not 0.0 <= value < math.inf:
+        raise PayloadError(f"{name} must be a finite number >= 0, got {value!r}")
+    return value
 
 
 def rejection_reason(err: BaseException | str, limit: int = 300) -> str:
