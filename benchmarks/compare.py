@@ -47,7 +47,8 @@ def flwr_executable() -> str:
 
 def run_with_flower(label: str, run_config: str, federation_config: str, out: Path) -> tuple[dict | None, float]:
     """One `flwr run` of this app; returns (results.json or None on failure, wall seconds)."""
-    overrides = f"{run_config} output-dir='{out}' run-name='{label}'".strip()
+    again = "" if "resume=" in run_config else " overwrite=true"  # a benchmark run again replaces its results
+    overrides = f"{run_config} output-dir='{out}' run-name='{label}'{again}".strip()
     command = [flwr_executable(), "run", str(ROOT), "--stream", "--run-config", overrides]
     if federation_config:
         command += ["--federation-config", federation_config]

@@ -86,7 +86,7 @@ def main() -> None:
     ]
     for name, label, run in paths:
         run_config = (f"method='{args.method}' num-server-rounds={args.rounds} output-dir='{args.out}' "
-                      f"run-name='{name}' {args.run_config}")
+                      f"run-name='{name}' overwrite=true {args.run_config}")
         with tempfile.TemporaryDirectory() as work:
             wall = run(Path(work), run_config)
         results = json.loads((args.out / name / "results.json").read_text())

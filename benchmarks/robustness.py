@@ -90,7 +90,7 @@ def attacker_class(kind: str):
 
 
 def run(label: str, run_config: dict, clients: int, attackers: int, attack: str | None, out: Path) -> dict:
-    config = SETTING | run_config | {"output-dir": str(out), "run-name": label}
+    config = SETTING | run_config | {"output-dir": str(out), "run-name": label, "overwrite": True}
     hostile = attacker_class(attack) if attack else None
     started = time.perf_counter()
     node_class = (lambda p: hostile if p >= clients - attackers else InProcessProxy) if hostile else None

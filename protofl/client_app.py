@@ -13,7 +13,10 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
 - ``model``: this node's architecture (e.g. ``tv-resnet18``), instead of the run config's
   ``model`` or its family member; for methods that exchange no model parameters (FedSA, FedProto);
 - ``num-threads``: CPU threads for this node's torch work (default: torch's, one per core; set it
-  when several SuperNodes share a machine, as they do in the compose demo).
+  when several SuperNodes share a machine, as they do in the compose demo);
+- ``state-dir``: where this node keeps its partition's state across rounds (personal models),
+  instead of the run config's ``state-dir`` or, when neither is set, Flower's in-memory
+  ``context.state`` (see :mod:`protofl.federation.checkpoint`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from flwr.client import Client, ClientApp
 from flwr.common import Context
 
+from protofl.federation.checkpoint import ClientStateStore
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import ClientData, cached_on_disk, load_client_data, load_local_client_data
@@ -44,7 +48,9 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         model = build_method_model(settings, data, str(context.node_config.get("model", "")) or None)
         _, client_class = get_method(settings.method)
         num_partitions = int(context.node_config["num-partitions"])
-        return client_class(settings, data, model, num_partitions, context.state).to_client()
+        state_dir = str(context.node_config.get("state-dir", settings.state_dir))
+        store = ClientStateStore(context.state, data.partition_id, state_dir)
+        return client_class(settings, data, model, num_partitions, store).to_client()
 
     return client_fn
 

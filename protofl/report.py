@@ -16,6 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from protofl.task.storage import atomic_write
+
 SCHEMA_VERSION = 1
 # Keys every round record carries (None where a quantity was not measured that round).
 ROUND_KEYS = (
@@ -111,6 +113,14 @@ class RunRecorder:
         record.update({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in fields.items()})
         return record
 
+    def restore(self, results: Mapping[str, Any], resumed_after: int) -> None:
+        """Continue the run whose results (as far as its checkpoint) are ``results``."""
+        self.rounds = {int(r["round"]): dict(r) for r in results["rounds"] if r["round"] <= resumed_after}
+        self.started = results["started"]
+        derived = {"schema_version", "run_config", "started", "summary", "rounds", "stopped", "total_seconds"}
+        self.extra = {k: v for k, v in results.items() if k not in derived}
+        self.extra["resumed_after"] = [*self.extra.get("resumed_after", []), resumed_after]
+
     def results(self) -> dict[str, Any]:
         rounds = [self.rounds[r] for r in sorted(self.rounds)]
         return {
@@ -126,9 +136,7 @@ class RunRecorder:
         """Write results.json and metrics.csv (and the accuracy PNG when ``plot``)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         results = self.results()
-        tmp = self.directory / "results.json.tmp"
-        tmp.write_text(json.dumps(results, indent=2))
-        tmp.replace(self.directory / "results.json")
+        atomic_write(self.directory / "results.json", json.dumps(results, indent=2).encode())
         write_csv(results["rounds"], self.directory / "metrics.csv")
         if plot:
             plot_curves({self.run_config.get("method", "run"): results}, self.directory / "accuracy.png")

@@ -7,12 +7,13 @@ import time
 from logging import ERROR, INFO
 from typing import Any, Callable, Mapping
 
-from flwr.common import Context
+from flwr.common import Context, ndarrays_to_parameters
 from flwr.common.logger import log
 from flwr.server import History, Server, ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 
+from protofl.federation.checkpoint import Checkpoint, open_run
 from protofl.federation.server import RunStopped
-from protofl.report import summary_text
+from protofl.report import RunRecorder, summary_text
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import load_dataset, load_global_test, partition_sizes
@@ -29,23 +30,55 @@ class RunSummary(History):
 
 
 class PrototypeServer(Server):
-    """Flower's Server loop, plus the strategy's final files and summary once all rounds are done,
-    or once a round stops the run (:class:`RunStopped`: one error line, no traceback)."""
+    """Flower's Server loop, from the round after ``checkpoint`` when the run resumes, with a
+    checkpoint after each complete round; then the strategy's final files and summary once all
+    rounds are done, or once a round stops the run (:class:`RunStopped`: one error line, no
+    traceback)."""
+
+    def __init__(self, *, client_manager, strategy, checkpoint: Checkpoint | None = None) -> None:
+        super().__init__(client_manager=client_manager, strategy=strategy)
+        self.checkpoint = checkpoint
 
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
         started = time.perf_counter()
         recorder = self.strategy.recorder
+        history = History()
         try:
-            history, elapsed = super().fit(num_rounds, timeout)
+            self._rounds(num_rounds, timeout, history)
         except RunStopped as stop:
             log(ERROR, "protofl: the run stopped. %s", stop)
-            history, elapsed = History(), time.perf_counter() - started
             recorder.extra["stopped"] = str(stop)
+        elapsed = time.perf_counter() - started
         recorder.extra["total_seconds"] = elapsed
         summary = RunSummary()
         summary.__dict__.update(history.__dict__)
         summary.summary = summary_text(recorder.write(plot=True), recorder.directory)
         return summary, elapsed
+
+    def _rounds(self, num_rounds: int, timeout: float | None, history: History) -> None:
+        """Server.fit's loop (without its round-0 evaluation, which nothing records)."""
+        if self.checkpoint is None:
+            self.parameters, first = self._get_initial_parameters(server_round=0, timeout=timeout), 1
+        else:
+            self.parameters = ndarrays_to_parameters(self.checkpoint.parameters)
+            first = self.checkpoint.server_round + 1
+        for server_round in range(first, num_rounds + 1):
+            log(INFO, "[ROUND %s]", server_round)
+            fitted = self.fit_round(server_round=server_round, timeout=timeout)
+            if fitted is not None:
+                parameters, metrics, _ = fitted
+                if parameters is not None:
+                    self.parameters = parameters
+                history.add_metrics_distributed_fit(server_round=server_round, metrics=metrics)
+            central = self.strategy.evaluate(server_round, parameters=self.parameters)
+            if central is not None:
+                history.add_loss_centralized(server_round=server_round, loss=central[0])
+                history.add_metrics_centralized(server_round=server_round, metrics=central[1])
+            federated = self.evaluate_round(server_round=server_round, timeout=timeout)
+            if federated is not None and federated[0] is not None:
+                history.add_loss_distributed(server_round=server_round, loss=federated[0])
+                history.add_metrics_distributed(server_round=server_round, metrics=federated[1])
+            self.strategy.save_checkpoint(server_round, self.parameters)
 
 
 def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], ServerAppComponents]:
@@ -53,6 +86,8 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
 
     def server_fn(context: Context) -> ServerAppComponents:
         settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
+        directory = settings.run_directory()
+        checkpoint = open_run(settings, directory)
         strategy_class, _ = get_method(settings.method)
         dataset = load_dataset(settings.dataset, settings.data_dir)
         model = build_method_model(settings, dataset)
@@ -64,14 +99,19 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
                 spec = settings.partition_spec(num_partitions)
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
-        strategy = strategy_class(settings, model, dataset.num_classes, global_test, partition_sizes=sizes)
+        recorder = RunRecorder(directory, settings.as_dict())
+        strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes)
+        if checkpoint is not None:
+            strategy.resume_from(checkpoint)
         log(
             INFO, "protofl: %s on %s (%s partition), %d rounds; results go to %s",
             settings.method, settings.dataset, settings.partition, settings.num_server_rounds,
             strategy.recorder.directory,
         )
-        server = PrototypeServer(client_manager=SimpleClientManager(), strategy=strategy)
-        return ServerAppComponents(server=server, config=ServerConfig(num_rounds=settings.num_server_rounds))
+        server = PrototypeServer(client_manager=SimpleClientManager(), strategy=strategy, checkpoint=checkpoint)
+        return ServerAppComponents(server=server, config=ServerConfig(
+            num_rounds=settings.num_server_rounds, round_timeout=settings.round_timeout or None,
+        ))
 
     return server_fn
 

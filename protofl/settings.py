@@ -28,6 +28,8 @@ from protofl.task.robust import RobustRule
 from protofl.task.train import BatchNormStats, PartialBatch
 
 EvaluateClients = Literal["sampled", "all"]
+# Settings a resumed run may change: extend the run, checkpoint at another interval.
+RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,6 +152,7 @@ class ExperimentSettings:
     num_server_rounds: int = 20
     fraction_fit: float = 1.0
     min_fit_clients: int = 2
+    round_timeout: float = 0.0
     evaluate_clients: EvaluateClients = "sampled"
     eval_every: int = 1
     local_epochs: int = 2
@@ -177,6 +180,10 @@ class ExperimentSettings:
     global_test_pm_per_class: int = 0
     output_dir: str = "~/protofl-runs"
     run_name: str = ""
+    checkpoint_every: int = 1
+    resume: bool = False
+    overwrite: bool = False
+    state_dir: str = ""
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the method's table, raw
 
     @classmethod
@@ -218,6 +225,12 @@ class ExperimentSettings:
             raise ValueError("dp-noise needs dp-clip > 0: the norm bound that the noise is scaled to")
         if not 0.0 < self.dp_delta < 1.0:
             raise ValueError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
+        if self.round_timeout < 0:
+            raise ValueError(f"round-timeout must be >= 0 seconds (0: none), got {self.round_timeout}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint-every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
+        if self.resume and (self.overwrite or not self.run_name):
+            raise ValueError("resume=true continues the run named by run-name: set run-name, and not overwrite")
 
     def round_lr(self, server_round: int) -> float:
         """The client learning rate of a round: lr * lr-decay^(round - 1)."""
@@ -247,6 +260,19 @@ class ExperimentSettings:
             f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{self.method}-{self.dataset}-s{self.seed}"
         )
         return (Path(self.output_dir).expanduser() / name).resolve()
+
+    def resume_conflicts(self, saved: Mapping[str, Any]) -> list[str]:
+        """The run-config keys whose values differ from a checkpoint's settings (``saved``: its
+        :meth:`as_dict`), except those a resumed run may change (``RESUMABLE``)."""
+
+        def keyed(values: Mapping[str, Any]) -> dict[str, Any]:
+            options = {f"{values.get('method')}.{k}": v for k, v in (values.get("options") or {}).items()}
+            top = {k.replace("_", "-"): v for k, v in values.items() if k != "options" and k not in RESUMABLE}
+            return top | options
+
+        now, then = keyed(self.as_dict()), keyed(saved)
+        return [f"{key} ({then.get(key)!r} -> {now.get(key)!r})"
+                for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
 
     def as_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

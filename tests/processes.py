@@ -17,6 +17,11 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started (not their descendants)."""
+    return _children().get(pid, [])
+
+
 def pids_with_argument(text: str) -> list[int]:
     """PIDs whose command line contains ``text`` (e.g. a test's temporary directory)."""
     found = []
@@ -29,8 +34,9 @@ def pids_with_argument(text: str) -> list[int]:
     return [pid for pid in found if pid != os.getpid()]
 
 
-def kill_trees(pids: list[int], grace: float = 5.0) -> None:
-    """SIGTERM each process and its descendants, then SIGKILL what is left after ``grace``."""
+def kill_trees(pids: list[int], grace: float = 5.0, signals=(signal.SIGTERM, signal.SIGKILL)) -> None:
+    """SIGTERM each process and its descendants, then SIGKILL what is left after ``grace``
+    (``signals=(signal.SIGKILL,)``: a crash, with no chance to clean up)."""
     tree = _children()
     everything: list[int] = []
     stack = list(pids)
@@ -39,7 +45,7 @@ def kill_trees(pids: list[int], grace: float = 5.0) -> None:
         if pid not in everything:
             everything.append(pid)
             stack.extend(tree.get(pid, []))
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         for pid in everything:
             try:
                 os.kill(pid, sig)

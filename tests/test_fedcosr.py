@@ -132,7 +132,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     # after a round with prototypes, the next tau comes from the stored last-epoch loss
     _, _, metrics = make_client(state).fit(global_phi, prototype_config(2, prototypes))
     assert metrics["la-tau"] == pytest.approx(tau, rel=1e-5) and metrics["contrastive-loss"] > 0
-    assert float(state["fedcosr"]["contrastive-loss"]) == metrics["contrastive-loss"]
+    assert float(make_client(state).local_state["last-contrastive-loss"]) == metrics["contrastive-loss"]
     third = make_client(state)
     tau3 = third._local_aggregation(global_phi, third.global_prototypes(prototype_config(3, prototypes)))
     assert tau3 == pytest.approx(math.exp(-metrics["contrastive-loss"]), rel=1e-6)

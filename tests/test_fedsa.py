@@ -154,7 +154,7 @@ def test_client_sends_no_parameters_keeps_its_model_and_its_prototype_margin():
     assert counts.sum() == n and (prototypes[counts == 0] == 0).all() and (prototypes[counts > 0] != 0).any()
     # the margin it keeps is that of its uploaded prototypes, and d* = max(anchor margin, own margin)
     own = nearest_neighbour_margin(torch.from_numpy(prototypes[counts > 0]))
-    assert state["fedsa"]["prototype-margin"] == pytest.approx(own)
+    assert client.local_state["prototype-margin"] == pytest.approx(own)
     anchor_margin = nearest_neighbour_margin(torch.from_numpy(ANCHORS))
     assert client._margin(torch.from_numpy(ANCHORS)) == pytest.approx(max(anchor_margin, own))
     assert client._margin(torch.from_numpy(ANCHORS) * 100) == pytest.approx(anchor_margin * 100)
@@ -188,7 +188,7 @@ def test_a_single_class_client_uses_the_anchor_margin():
     keep = client.data.train_y == client.data.train_y[0]
     client.data = dataclasses.replace(client.data, train_x=client.data.train_x[keep], train_y=client.data.train_y[keep])
     client.fit([], anchor_config(1))
-    assert "fedsa" not in state
+    assert "prototype-margin" not in client.local_state
     anchors = torch.from_numpy(ANCHORS)
     assert client._margin(anchors) == nearest_neighbour_margin(anchors)
 

@@ -14,27 +14,34 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def flwr_run(tmp_path, run_config):
-    """`flwr run . --stream` with ``run_config``; the finished process (output captured)."""
-    home = tmp_path / "flwr-home"
+def flwr_command(tmp_path, run_config, name="e2e"):
+    """(command, environment) of `flwr run . --stream` with ``run_config``, its own Flower home
+    (``tmp_path/flwr-home``, which names every process it starts) and ports."""
     bin_dir = Path(sys.executable).parent  # flwr spawns flower-superlink etc. from PATH
     env = os.environ | {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "FLWR_HOME": str(home),
+        "FLWR_HOME": str(tmp_path / "flwr-home"),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
         "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
     }
     command = [
         str(bin_dir / "flwr"), "run", str(ROOT), "--stream",
-        "--run-config", f"{run_config} output-dir='{tmp_path}' run-name='e2e'",
+        "--run-config", f"{run_config} output-dir='{tmp_path}' run-name='{name}'",
         "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
     ]
+    return command, env
+
+
+def flwr_run(tmp_path, run_config, name="e2e"):
+    """`flwr run . --stream` with ``run_config``; the finished process (output captured)."""
+    command, env = flwr_command(tmp_path, run_config, name)
+    home = env["FLWR_HOME"]
     try:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     finally:
-        kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
-    assert not pids_with_argument(str(home))
+        kill_trees(pids_with_argument(home))  # the managed SuperLink and what it started
+    assert not pids_with_argument(home)
     return run
 
 

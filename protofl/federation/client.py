@@ -28,6 +28,7 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import Scalar
 
+from protofl.federation.checkpoint import ClientStateStore
 from protofl.federation.wire import (
     CORRECT,
     GLOBAL_PROTOTYPES,
@@ -41,9 +42,11 @@ from protofl.federation.wire import (
     ArraySpec,
     ClassStatistics,
     ClassVectors,
+    checkpointed_round,
     decode_array,
     decode_class_vectors,
     round_seed,
+    run_identity,
     server_round,
 )
 from protofl.report import class_weighted_accuracy
@@ -63,6 +66,7 @@ from protofl.task.train import (
     train,
 )
 
+MODEL_PREFIX = "model/"  # local_state names of the personal model's entries
 # predict(features, logits) -> predicted labels
 Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -78,15 +82,19 @@ class PrototypeClient(NumPyClient):
         data: ClientData,
         model: SplitModel,
         num_partitions: int,
-        state: Any,
+        store: ClientStateStore | Any,
     ) -> None:
+        """``store``: what this node keeps for its partition across rounds (a Flower
+        ``context.state`` is kept in memory)."""
         self.settings = settings
         self.options = self.options_class.from_settings(settings)
         self.data = data
         self.device = data.train_x.device
         self.model = model.to(self.device)
         self.num_partitions = num_partitions
-        self.state = state  # context.state: persists across rounds on this node, never sent
+        self.store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id)
+        self._local_state: dict[str, np.ndarray] | None = None  # read from the store when first used
+        self._state_round: tuple[tuple[str, str], int | None] = (("", ""), None)  # (run, read before round)
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
         self.loss_parts: dict[str, list[torch.Tensor]] = {}
@@ -141,6 +149,7 @@ class PrototypeClient(NumPyClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
         self.loss_parts = {}
+        self._use_state_of(config, server_round(config))  # as it was before this round
         self.receive(parameters, config)
         seen = self.prototype_collector()
         loss = train(
@@ -157,13 +166,31 @@ class PrototypeClient(NumPyClient):
             metrics |= statistics.to_metrics()
         metrics |= self.after_fit(statistics)
         metrics |= {key: float(torch.stack(values).mean()) for key, values in self.loss_parts.items() if values}
+        if self._local_state:
+            run, _ = self._state_round
+            self.store.save(*run, server_round(config), self._local_state, checkpointed_round(config))
         return self.shared_arrays(), self.data.num_train, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
+        self._use_state_of(config, server_round(config) + 1)  # as this round's fit left it
         self.prepare_evaluation(parameters, config)
         return self.score(self.predictors())
 
     # --- helpers ------------------------------------------------------------------------
+
+    @property
+    def local_state(self) -> dict[str, np.ndarray]:
+        """Named arrays this client keeps for its partition across rounds (a personal model,
+        FedSA's margin, ...): what it saved after its last fit before this round; saved again
+        after this fit. Never sent."""
+        if self._local_state is None:
+            run, before = self._state_round
+            self._local_state = self.store.load(*run, before)
+        return self._local_state
+
+    def _use_state_of(self, config: Mapping[str, Scalar], before: int) -> None:
+        self._state_round = (run_identity(config), before)
+        self._local_state = None
 
     def privatize(self, statistics: ClassStatistics) -> ClassStatistics:
         """Differentially private class vectors (``dp-clip``, ``dp-noise``): clipped, with Gaussian
@@ -283,22 +310,20 @@ class PrototypeClient(NumPyClient):
         return prototypes
 
     def restore_personal_model(self) -> bool:
-        """Load this client's persistent model from ``context.state``; False on the first round."""
-        if "model" not in self.state:
+        """Load this client's persistent model from its :attr:`local_state`; False before it has one."""
+        stored = {k[len(MODEL_PREFIX):]: v for k, v in self.local_state.items() if k.startswith(MODEL_PREFIX)}
+        if not stored:
             return False
-        stored = self.state["model"].to_torch_state_dict()
-        self.model.load_state_dict({k: stored[k] for k in self.model.state_dict()})
+        self.model.load_state_dict({k: torch.from_numpy(stored[k]) for k in self.model.state_dict()})
         with torch.no_grad():
             for name, buffer in self.model.named_buffers():  # also those not in state_dict (a frozen head)
-                buffer.copy_(stored[name])
+                buffer.copy_(torch.from_numpy(stored[name]))
         return True
 
     def store_personal_model(self) -> None:
-        """Keep the whole model (parameters and every buffer) in ``context.state``."""
-        from flwr.app import ArrayRecord
-
+        """Keep the whole model (parameters and every buffer) in :attr:`local_state`."""
         tensors = dict(self.model.named_buffers()) | self.model.state_dict()
-        self.state["model"] = ArrayRecord({k: v.detach().cpu() for k, v in tensors.items()})
+        self.local_state.update({MODEL_PREFIX + k: v.detach().cpu().numpy().copy() for k, v in tensors.items()})
 
     def score(self, predictors: Mapping[str, Predictor]) -> tuple[float, int, dict[str, Scalar]]:
         """Each predictor on the local test split (``correct-<name>`` when there are several), the

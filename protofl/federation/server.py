@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import math
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
+from protofl.federation.checkpoint import Checkpoint
 from protofl.federation.partitions import ExpectedSizes, PartitionRegistry
 from protofl.federation.wire import (
     CORRECT,
@@ -150,6 +152,7 @@ class PrototypeStrategy(Strategy):
     state_fields: tuple[str, ...] = ()
     broadcast_to_evaluate = True
     properties_timeout = 120.0
+    discovery_poll = 1.0  # seconds between queries of newly listed nodes while partitions lack a holder
 
     def __init__(
         self,
@@ -183,6 +186,8 @@ class PrototypeStrategy(Strategy):
         self.sent_parameters: list[np.ndarray] = self.shared_weights()  # what this round's clients train from
         self.releases: Counter[int] = Counter()  # rounds each partition released DP prototypes
         self.round_started = 0.0
+        self.run_token = secrets.token_hex(8)  # names this run's client state; a resumed run keeps it
+        self.checkpointed_round = 0
 
     # --- hooks for methods --------------------------------------------------------------
 
@@ -233,13 +238,22 @@ class PrototypeStrategy(Strategy):
         self._query_nodes(client_manager)
         if not self.waited_for_all:
             self.waited_for_all = True
-            expected = self.registry.num_partitions or 0
-            if len(client_manager.all()) < expected:
-                client_manager.wait_for(expected, timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while self._waiting_for_nodes(client_manager) and time.monotonic() < deadline:
+                time.sleep(self.discovery_poll)
                 self._query_nodes(client_manager)
             self.registry.freeze()
         live = client_manager.all()
         self.partitions = {pid: live[node] for pid, node in self.registry.holders(live).items()}
+
+    def _waiting_for_nodes(self, client_manager: ClientManager) -> bool:
+        """Whether partitions lack a holder while fewer nodes than partitions have answered: nodes
+        still starting, or a restarted node (a new id) whose dead id is still listed (until its
+        heartbeat lapses, up to 60 s) and fails its query."""
+        expected = self.registry.num_partitions or 0
+        live = client_manager.all()
+        answered = sum(node in self.registry.claims or node in self.registry.refused for node in live)
+        return len(self.registry.holders(live)) < expected and answered < expected
 
     def _query_nodes(self, client_manager: ClientManager) -> None:
         live = client_manager.all()
@@ -281,7 +295,9 @@ class PrototypeStrategy(Strategy):
         """Per-client config: round, the client's seed, and the broadcast arrays (encoded once)."""
         arrays = self.broadcast(server_round) if with_broadcast else {}
         shared = {k: encode_array(v) for k, v in arrays.items()}
-        return [round_config(server_round, client_seed(self.settings.seed, server_round, p)) | shared
+        checkpointed = self.checkpointed_round if self.settings.checkpoint_every else server_round - 1
+        run = (self.recorder.directory.name, self.run_token, checkpointed)
+        return [round_config(server_round, client_seed(self.settings.seed, server_round, p), *run) | shared
                 for p in partition_ids]
 
     def configure_fit(
@@ -483,6 +499,43 @@ class PrototypeStrategy(Strategy):
         reason = rejection_reason(err)
         log(WARNING, "round %d: dropped the %s result of node %s: %s", server_round, stage, node, reason)
         return {"stage": stage, "node": node, "partition": partition_id, "reason": reason}
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def server_state(self) -> dict[str, Any]:
+        """What a resumed run needs besides the parameters and the results: the method's
+        ``state_fields``, the fixed number of partitions, the DP release counts."""
+        return {
+            "fields": {name: getattr(self, name) for name in self.state_fields},
+            "num_partitions": self.registry.num_partitions or 0,
+            "releases": {str(pid): count for pid, count in self.releases.items()},
+        }
+
+    def save_checkpoint(self, server_round: int, parameters: Parameters) -> None:
+        """After a complete round: the run's checkpoint, every ``checkpoint-every`` rounds and after
+        the last one; its time and size are recorded in the round."""
+        every, last = self.settings.checkpoint_every, self.settings.num_server_rounds
+        if not every or (server_round % every and server_round != last):
+            return
+        started = time.perf_counter()
+        checkpoint = Checkpoint(server_round, parameters_to_ndarrays(parameters), self.server_state(),
+                                self.recorder.results(), self.run_token)
+        size = checkpoint.save(self.recorder.directory)
+        self.checkpointed_round = server_round
+        self.recorder.update(server_round, checkpoint_seconds=time.perf_counter() - started, checkpoint_bytes=size)
+        self.recorder.write()
+
+    def resume_from(self, checkpoint: Checkpoint) -> None:
+        """Continue after ``checkpoint``'s round: its method state, partitions, results and run token."""
+        state = checkpoint.strategy_state
+        for name in self.state_fields:
+            setattr(self, name, state["fields"][name])
+        self.registry.fixed = int(state["num_partitions"]) or None
+        self.releases = Counter({int(pid): int(count) for pid, count in state["releases"].items()})
+        self.sent_parameters = list(checkpoint.parameters)
+        self.run_token, self.checkpointed_round = checkpoint.run_token, checkpoint.server_round
+        self.recorder.restore(checkpoint.results, resumed_after=checkpoint.server_round)
+        log(INFO, "protofl: resuming %s after round %d", self.recorder.directory, checkpoint.server_round)
 
     # --- Strategy API: evaluation -------------------------------------------------------------
 

@@ -32,6 +32,8 @@ NPY_MAGIC = b"\x93NUMPY"
 # per-round config (server -> client)
 SERVER_ROUND = "server-round"
 SEED = "seed"
+RUN_KEY, RUN_TOKEN = "run-key", "run-token"  # which run's client state: its directory's name, its fresh start
+CHECKPOINTED_ROUND = "checkpointed-round"  # the round of the server's last checkpoint
 GLOBAL_PROTOTYPES = "global-prototypes"  # ClassVectors: FedProto, FedCoSR, FedSA
 # properties and metrics (client -> server)
 PARTITION_ID = "partition-id"
@@ -150,9 +152,14 @@ def parameters_bytes(parameters: Parameters) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def round_config(server_round: int, seed: int) -> dict[str, Scalar]:
-    """The scalars every instruction carries: the round and the client's seed for it."""
-    return {SERVER_ROUND: server_round, SEED: seed}
+def round_config(
+    server_round: int, seed: int, run_key: str = "", run_token: str = "", checkpointed: int = 0
+) -> dict[str, Scalar]:
+    """The scalars every instruction carries: the round, the client's seed for it, which run's
+    state the client keeps and the round of the server's last checkpoint (client state from before
+    it is no longer needed)."""
+    return {SERVER_ROUND: server_round, SEED: seed, RUN_KEY: run_key, RUN_TOKEN: run_token,
+            CHECKPOINTED_ROUND: checkpointed}
 
 
 def server_round(config: Mapping[str, Scalar]) -> int:
@@ -161,6 +168,16 @@ def server_round(config: Mapping[str, Scalar]) -> int:
 
 def round_seed(config: Mapping[str, Scalar], default: int) -> int:
     return int(config.get(SEED, default))
+
+
+def run_identity(config: Mapping[str, Scalar]) -> tuple[str, str]:
+    """(run key, run token) of the run an instruction belongs to."""
+    return str(config.get(RUN_KEY, "")), str(config.get(RUN_TOKEN, ""))
+
+
+def checkpointed_round(config: Mapping[str, Scalar]) -> int:
+    """The server's last checkpointed round (without checkpoints: the round before this one)."""
+    return int(config.get(CHECKPOINTED_ROUND, server_round(config) - 1))
 
 
 # ---------------------------------------------------------------------------------------

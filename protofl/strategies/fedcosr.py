@@ -36,7 +36,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import MetricRecord
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
@@ -147,6 +146,9 @@ class FedCoSRStrategy(PrototypeStrategy):
 # --- client -----------------------------------------------------------------------------
 
 
+LAST_CONTRASTIVE_LOSS = "last-contrastive-loss"  # kept on the node for the next round's tau
+
+
 class FedCoSRClient(PrototypeClient):
     options_class = FedCoSROptions
 
@@ -156,8 +158,8 @@ class FedCoSRClient(PrototypeClient):
 
     def _last_contrastive_loss(self, prototypes) -> float | None:
         """L_Reg for tau: the last local epoch's mean, else an eval pass against ``prototypes``."""
-        if self.options.tau_loss == "last-epoch" and "fedcosr" in self.state:
-            return float(self.state["fedcosr"][CONTRASTIVE_LOSS])
+        if self.options.tau_loss == "last-epoch" and LAST_CONTRASTIVE_LOSS in self.local_state:
+            return float(self.local_state[LAST_CONTRASTIVE_LOSS])
         if prototypes is None:
             return None
         features, _ = features_and_logits(self.model, self.data.train_x)
@@ -203,7 +205,7 @@ class FedCoSRClient(PrototypeClient):
         counted = sum(self.contrastive_counts[-last:])
         if counted:
             l_reg = float(torch.stack(self.contrastive_sums[-last:]).sum()) / counted
-            self.state["fedcosr"] = MetricRecord({CONTRASTIVE_LOSS: l_reg})
+            self.local_state[LAST_CONTRASTIVE_LOSS] = np.float64(l_reg)
             metrics[CONTRASTIVE_LOSS] = l_reg
         self.store_personal_model()
         return metrics

@@ -33,7 +33,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import MetricRecord
 from torch import nn
 
 from protofl.federation.client import PrototypeClient
@@ -190,6 +189,9 @@ class FedSAStrategy(PrototypeStrategy):
 # --- client -----------------------------------------------------------------------------
 
 
+PROTOTYPE_MARGIN = "prototype-margin"  # kept on the node: the margin of its last uploaded prototypes
+
+
 class FedSAClient(PrototypeClient):
     options_class = FedSAOptions
 
@@ -208,7 +210,7 @@ class FedSAClient(PrototypeClient):
 
     def _margin(self, anchors: torch.Tensor) -> float:
         """d* = max(global anchor margin, this client's margin of its last uploaded prototypes)."""
-        own = float(self.state["fedsa"]["prototype-margin"]) if "fedsa" in self.state else 0.0
+        own = float(self.local_state.get(PROTOTYPE_MARGIN, 0.0))
         return max(MARGINS[self.options.margin](anchors), own)
 
     def _regularization_and_contrastive(self, features, labels, anchors, margin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,9 +237,9 @@ class FedSAClient(PrototypeClient):
         """Keeps the model and the margin of the uploaded prototypes (Eq. 2, training-mode features)."""
         own_margin = MARGINS[self.options.margin](torch.from_numpy(statistics.means[statistics.counts > 0]))
         if own_margin is None:
-            self.state.pop("fedsa", None)  # one class: no margin of its own (the code's -inf)
+            self.local_state.pop(PROTOTYPE_MARGIN, None)  # one class: no margin of its own (the code's -inf)
         else:
-            self.state["fedsa"] = MetricRecord({"prototype-margin": own_margin})
+            self.local_state[PROTOTYPE_MARGIN] = np.float64(own_margin)
         self.store_personal_model()
         return {}
 

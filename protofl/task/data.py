@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import os
 import pickle
 import struct
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from protofl.task.partition import PartitionSpec, client_split, partition_indices, stratified_split
+from protofl.task.storage import arrays_to_bytes, atomic_write
 
 DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -414,11 +414,9 @@ def cached_on_disk(
         except (OSError, ValueError, KeyError):
             pass  # unreadable or from another version: load and write it again
     data = load()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-    np.savez(partial, partition_id=data.partition_id, num_classes=data.num_classes,
-             **{name: getattr(data, name).cpu().numpy() for name in names})
-    os.replace(partial, path)  # concurrent writers of the same key write the same arrays
+    arrays = {name: getattr(data, name).cpu().numpy() for name in names}
+    # concurrent writers of the same key write the same arrays
+    atomic_write(path, arrays_to_bytes(arrays | {"partition_id": data.partition_id, "num_classes": data.num_classes}))
     return data
 
 

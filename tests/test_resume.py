@@ -1,0 +1,243 @@
+"""Checkpoints and exact resume: the checkpoint file, each node's state across rounds, the run
+directory's guard, and runs that are stopped or killed and resumed, compared round by round with
+runs that were not (bit-identical metrics on the CPU)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import RecordDict
+from inprocess import run_in_process
+from processes import kill_trees, pids_with_argument
+
+from protofl.federation.checkpoint import CHECKPOINT, Checkpoint, ClientStateStore, open_run
+from protofl.federation.wire import ClassVectors
+from protofl.settings import ExperimentSettings
+from protofl.strategies import METHODS
+from protofl.task import storage
+
+TESTS = Path(__file__).resolve().parent
+# what may differ between an interrupted run and one that was not: clocks, and the checkpoint's size
+# (its copy of the results says where the run resumed)
+TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
+RUN = {"dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "fraction-fit": 0.5,
+       "global-test-pm-per-class": 10}
+
+
+def rounds_without_timing(directory: Path) -> list[dict]:
+    results = json.loads((directory / "results.json").read_text())
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
+
+
+def assert_same_rounds(resumed: Path, reference: Path) -> None:
+    got, want = rounds_without_timing(resumed), rounds_without_timing(reference)
+    assert [r["round"] for r in got] == [r["round"] for r in want] == list(range(1, len(want) + 1))
+    for a, b in zip(got, want):
+        assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+# --- the checkpoint file ----------------------------------------------------------------------
+
+
+def test_checkpoint_round_trips_every_kind_of_method_state(tmp_path):
+    rng = np.random.default_rng(0)
+    state = {
+        "fields": {
+            "anchors": rng.standard_normal((10, 4)).astype(np.float32),
+            "global_prototypes": ClassVectors(rng.standard_normal((10, 4)).astype(np.float32), np.arange(10) < 7),
+            "knowledge": {"relational-labels": np.array([3, 1], np.int64)},  # FedSC's dict of arrays
+            "global_weights": [np.ones((2, 2), np.float64), np.array(5, np.int64)],  # FedSKC's list
+            "nothing_yet": None,
+        },
+        "num_partitions": 4,
+        "releases": {"2": 3},
+    }
+    checkpoint = Checkpoint(7, [np.zeros(3, np.float32)], state, {"rounds": [{"round": 7}]}, "ab12")
+    size = checkpoint.save(tmp_path)
+    assert size == (tmp_path / CHECKPOINT).stat().st_size
+    loaded = Checkpoint.load(tmp_path)
+    assert (loaded.server_round, loaded.run_token, loaded.results) == (7, "ab12", {"rounds": [{"round": 7}]})
+    fields = loaded.strategy_state["fields"]
+    np.testing.assert_array_equal(fields["anchors"], state["fields"]["anchors"])
+    assert fields["anchors"].dtype == np.float32
+    assert isinstance(fields["global_prototypes"], ClassVectors)
+    np.testing.assert_array_equal(fields["global_prototypes"].mask, np.arange(10) < 7)
+    assert fields["knowledge"]["relational-labels"].tolist() == [3, 1]
+    assert [w.dtype for w in fields["global_weights"]] == [np.float64, np.int64]
+    assert fields["nothing_yet"] is None and loaded.strategy_state["releases"] == {"2": 3}
+    with pytest.raises(TypeError):  # what it cannot write back exactly, it refuses to write
+        Checkpoint(1, [], {"fields": {"x": object()}}, {}, "").to_bytes()
+
+
+def test_an_interrupted_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    Checkpoint(1, [np.ones(2)], {}, {}, "aa").save(tmp_path)
+
+    def crash(*args):
+        raise OSError("power cut")
+
+    monkeypatch.setattr(storage.os, "replace", crash)
+    with pytest.raises(OSError):
+        Checkpoint(2, [np.ones(2)], {}, {}, "aa").save(tmp_path)
+    assert Checkpoint.load(tmp_path).server_round == 1
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]  # no partial file left behind
+
+
+# --- what a node keeps for its partition ------------------------------------------------------
+
+
+def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp_path):
+    store = ClientStateStore(RecordDict(), 3, str(tmp_path))
+    for r in (1, 2, 3):  # the server checkpointed round 1 (checkpoint-every=2, say)
+        store.save("run", "ab", r, {"w": np.full(2, float(r))}, needed_from=1)
+    folder = tmp_path / "run" / "partition-3"
+    assert sorted(p.name for p in folder.iterdir()) == [f"round-{r}.ab.npz" for r in (1, 2, 3)]
+    assert store.load("run", "ab", before=3)["w"][0] == 2.0  # round 3 again: from round 2's state
+    assert store.load("run", "ab", before=2)["w"][0] == 1.0
+    assert store.load("run", "ab", before=1) == {}  # before its first round: nothing
+    assert store.load("run", "ab", before=None)["w"][0] == 3.0
+    assert store.load("run", "cd", before=None) == {}  # another run's token: not this run's state
+    (folder / ".round-4.ab.npz.x.tmp").write_bytes(b"partial")
+    store.save("run", "ab", 4, {"w": np.full(2, 4.0)}, needed_from=3)  # checkpoint at 3: 1 and 2 go
+    assert sorted(p.name for p in folder.iterdir()) == ["round-3.ab.npz", "round-4.ab.npz"]
+    store.save("run", "ef", 1, {"w": np.zeros(2)}, needed_from=0)  # a fresh run replaces the old one's
+    assert sorted(p.name for p in folder.iterdir()) == ["round-1.ef.npz"]
+    assert os.stat(folder / "round-1.ef.npz").st_mode & 0o777 == 0o600
+
+
+def test_without_a_state_dir_the_node_keeps_one_version_in_context_state():
+    state = RecordDict()
+    store = ClientStateStore(state, 0)
+    store.save("run", "ab", 1, {"w": np.ones(2)}, needed_from=0)
+    store.save("run", "ab", 2, {"w": np.full(2, 2.0)}, needed_from=1)
+    assert list(state) == ["protofl-state"] and store.load("run", "ab", before=None)["w"][0] == 2.0
+
+
+# --- starting a run: fresh, resumed, refused ----------------------------------------------------
+
+
+def settings(tmp_path, **overrides):
+    return ExperimentSettings(output_dir=str(tmp_path), run_name="run", **overrides)
+
+
+def test_a_run_directory_is_never_overwritten_silently(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir()
+    (directory / "results.json").write_text("{}")
+    with pytest.raises(ValueError, match="resume=true continues it, overwrite=true replaces it"):
+        open_run(settings(tmp_path), directory)
+    with pytest.raises(ValueError, match="has results but no checkpoint"):
+        open_run(settings(tmp_path, resume=True), directory)
+    Checkpoint(2, [], {}, {"run_config": settings(tmp_path).as_dict()}, "aa").save(directory)
+    assert open_run(settings(tmp_path, overwrite=True), directory) is None
+    assert not (directory / CHECKPOINT).exists()  # a replaced run cannot be resumed by mistake
+    with pytest.raises(ValueError, match="set run-name"):
+        ExperimentSettings.from_run_config({"resume": True})
+    assert open_run(settings(tmp_path, resume=True), tmp_path / "new") is None  # nothing yet: round 1
+
+
+def test_resume_names_the_settings_that_differ_and_allows_extending_the_run(tmp_path):
+    saved = settings(tmp_path, num_server_rounds=4, options={"lambda": 1.0}, method="fedproto")
+    Checkpoint(4, [], {}, {"run_config": saved.as_dict()}, "aa").save(tmp_path / "run")
+    changed = settings(tmp_path, resume=True, num_server_rounds=6, lr=0.1, method="fedproto",
+                       options={"lambda": 2.0}, checkpoint_every=5)
+    with pytest.raises(ValueError) as err:
+        open_run(changed, tmp_path / "run")
+    assert "fedproto.lambda (1.0 -> 2.0), lr (0.05 -> 0.1)" in str(err.value)
+    assert "num-server-rounds" not in str(err.value).split(";")[0]
+    with pytest.raises(ValueError, match="is complete"):
+        open_run(settings(tmp_path, resume=True, num_server_rounds=4, method="fedproto", options={"lambda": 1.0}),
+                 tmp_path / "run")
+    extended = settings(tmp_path, resume=True, num_server_rounds=6, method="fedproto", options={"lambda": 1.0})
+    assert open_run(extended, tmp_path / "run").server_round == 4
+
+
+# --- runs stopped and resumed -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_run_extended_after_round_2_equals_a_run_of_4_rounds(tmp_path, method):
+    config = RUN | {"method": method, "output-dir": str(tmp_path), "state-dir": str(tmp_path / "state")}
+    run_in_process(config | {"run-name": "whole"}, num_nodes=4)
+    run_in_process(config | {"run-name": "parts", "num-server-rounds": 2}, num_nodes=4)
+    assert Checkpoint.load(tmp_path / "parts").server_round == 2
+    run_in_process(config | {"run-name": "parts", "resume": True}, num_nodes=4)  # new nodes: a restarted node
+    assert_same_rounds(tmp_path / "parts", tmp_path / "whole")
+    assert json.loads((tmp_path / "parts" / "results.json").read_text())["resumed_after"] == [2]
+
+
+def test_without_a_state_dir_restarted_nodes_lose_their_personal_models(tmp_path):
+    """The control for the test above: FedProto's clients keep personal models, which a node that
+    restarts without a state dir no longer has; the resumed rounds differ."""
+    config = RUN | {"method": "fedproto", "output-dir": str(tmp_path)}
+    run_in_process(config | {"run-name": "whole"}, num_nodes=4)
+    run_in_process(config | {"run-name": "parts", "num-server-rounds": 2}, num_nodes=4)
+    run_in_process(config | {"run-name": "parts", "resume": True}, num_nodes=4)
+    got, want = rounds_without_timing(tmp_path / "parts"), rounds_without_timing(tmp_path / "whole")
+    assert got[:2] == want[:2] and got[2:] != want[2:]
+
+
+def wait_for_round(directory: Path, server_round: int, process: subprocess.Popen | None, timeout: float) -> None:
+    """Until results.json records ``server_round``'s training (bounded; ``process``: the run's, if
+    it must not end first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(r["round"] == server_round for r in json.loads((directory / "results.json").read_text())["rounds"]):
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        assert process is None or process.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.01)
+    raise AssertionError(f"no round {server_round} after {timeout} s")
+
+
+def kill_during_round_3(directory: Path, command: list[str], env: dict[str, str], marker: str) -> None:
+    """Start ``command``, SIGKILL its whole process tree once round 3's training is recorded (with
+    checkpoint-every=2: the last checkpoint is round 2's, and the nodes saved their round-3 state)."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        wait_for_round(directory, 3, process, timeout=300)
+    finally:
+        kill_trees([process.pid, *pids_with_argument(marker)], signals=(signal.SIGKILL,))
+        process.wait(timeout=30)
+    assert Checkpoint.load(directory).server_round == 2, "killed too late: round 4's checkpoint is written"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fedavg", "fedproto", "fedskc", "fedsa"])
+def test_a_process_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_path, method):
+    config = RUN | {"method": method, "output-dir": str(tmp_path), "state-dir": str(tmp_path / "state"),
+                    "checkpoint-every": 2}
+    run_in_process(config | {"run-name": "whole"}, num_nodes=4)
+    killed = config | {"run-name": "killed"}
+    command = [sys.executable, str(TESTS / "interrupted.py"), json.dumps(killed), "4"]
+    kill_during_round_3(tmp_path / "killed", command, os.environ | {"PYTHONPATH": str(TESTS)}, str(tmp_path))
+    saved = sorted(p.name for p in (tmp_path / "state" / "killed").glob("partition-*/round-3.*.npz"))
+    assert saved or method in ("fedavg", "fedskc")  # personal models of round 3, which the replay must not read
+    run_in_process(killed | {"resume": True}, num_nodes=4)
+    assert_same_rounds(tmp_path / "killed", tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_flwr_run_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_path):
+    """The same through `flwr run` (Ray simulation): the managed SuperLink, the simulation and its
+    Ray workers are all killed, then `flwr run ... resume=true` finishes the run."""
+    from test_flwr_run import flwr_command, flwr_run
+
+    config = (f"method='fedsa' num-server-rounds=4 local-epochs=1 fraction-fit=0.67 checkpoint-every=2 "
+              f"global-test-pm-per-class=10 state-dir='{tmp_path / 'state'}'")
+    whole = flwr_run(tmp_path, config, "whole")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    command, env = flwr_command(tmp_path, config, "killed")
+    kill_during_round_3(tmp_path / "killed", command, env, env["FLWR_HOME"])
+    resumed = flwr_run(tmp_path, config + " resume=true", "killed")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout + resumed.stderr
+    assert_same_rounds(tmp_path / "killed", tmp_path / "whole")
