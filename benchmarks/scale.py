@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "deploy"))
 
+import native  # noqa: E402
 from compare import machine_description  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def processes_naming(text: str) -> list[int]:
@@ -118,8 +113,8 @@ def one_run(method: str, clients: int, state_dir: bool, rounds: int, out: Path, 
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
             "FLWR_HOME": home,
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(native.free_port()),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(native.free_port()),
         }
         command = [str(bin_dir / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
                    "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]

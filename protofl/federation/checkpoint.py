@@ -200,8 +200,9 @@ class ClientStateStore:
         versions = self._versions(folder, token)
         older = [r for r in versions if r <= needed_from]
         keep = {r for r in versions if r > needed_from} | ({max(older)} if older else set())
+        kept = {versions[r] for r in keep}
         for path in folder.glob("*.npz"):
-            if path not in {versions[r] for r in keep}:
+            if path not in kept:
                 path.unlink(missing_ok=True)
         remove_partial_writes(folder)
 
