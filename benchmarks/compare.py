@@ -9,6 +9,15 @@ Each method (or ``--variant LABEL="overrides"``, e.g. an ablation) is one real F
 ``<out>/comparison.md`` (GM and PM final / best / last-10, PM std, traffic, time) and
 ``<out>/comparison.png`` and prints the table. ``--include DIR`` adds the runs of an earlier
 invocation (``DIR/<label>/results.json``) to the table, so runs made apart can be compared.
+
+Repeats: ``--seeds 0 1 2`` runs everything once per training seed (``<out>/<label>/seed-<s>/``;
+the split stays, it follows ``partition-seed``) and reports mean ± std per run over its seeds,
+``--baseline LABEL`` the paired difference of each run to that one with a 95 % interval, and the
+plot shows mean curves with ± std bands. ``--sweep KEY=V1,V2`` runs every method or variant once
+per value (several sweeps: their product)::
+
+    python benchmarks/compare.py --methods fedavg fedproto --seeds 0 1 2 --baseline fedavg \
+        --sweep "lr=0.01,0.05" --run-config "dataset='fmnist'" --out runs/fmnist
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from protofl.report import comparison_table, plot_curves  # noqa: E402
+from protofl.report import comparison_table, differences_table, plot_bands, plot_curves, repeats_table  # noqa: E402
 
 
 def machine_description() -> str:
@@ -70,16 +79,32 @@ def run_with_flower(label: str, run_config: str, federation_config: str, out: Pa
     return results, wall
 
 
-def included_results(directories: list[Path]) -> dict[str, dict]:
-    """label -> results.json of every finished run saved under the given directories."""
-    results = {}
+def included_results(directories: list[Path]) -> dict[str, dict[int, dict]]:
+    """label -> seed -> results.json of every finished run saved under the given directories, as
+    ``DIR/<label>/results.json`` (one seed) or ``DIR/<label>/seed-<s>/results.json`` (repeats)."""
+    groups: dict[str, dict[int, dict]] = {}
     for directory in directories:
-        paths = sorted(directory.expanduser().glob("*/results.json"))
+        paths = sorted(directory.expanduser().glob("*/results.json")) + sorted(
+            directory.expanduser().glob("*/seed-*/results.json")
+        )
         if not paths:
-            raise SystemExit(f"--include {directory}: no <label>/results.json there")
+            raise SystemExit(f"--include {directory}: no <label>/results.json or <label>/seed-<s>/results.json there")
         for path in paths:
-            results[path.parent.name] = json.loads(path.read_text())
-    return results
+            label = (path.parent.parent if path.parent.name.startswith("seed-") else path.parent).name
+            results = json.loads(path.read_text())
+            groups.setdefault(label, {})[int(results["run_config"].get("seed", 0))] = results
+    return groups
+
+
+def swept(runs: list[tuple[str, str]], sweeps: list[str]) -> list[tuple[str, str]]:
+    """Every run once per value of every ``KEY=V1,V2,...`` (their product); labels get ``_KEY=V``."""
+    for sweep in sweeps:
+        key, _, values = sweep.partition("=")
+        if not key or not values:
+            raise SystemExit(f"--sweep {sweep!r}: expected KEY=V1,V2,...")
+        runs = [(f"{label}_{key}={value.strip(chr(39) + chr(34))}", f"{overrides} {key}={value}")
+                for label, overrides in runs for value in values.split(",")]
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                              "fedproto.average-parameters=true\"")
     parser.add_argument("--run-config", default="", help="run-config overrides shared by every run")
     parser.add_argument("--federation-config", default="", help="e.g. \"num-supernodes=20\"")
+    parser.add_argument("--seeds", nargs="*", type=int, default=[],
+                        help="repeat every run with each of these training seeds (the split stays: partition-seed)")
+    parser.add_argument("--baseline", metavar="LABEL", help="report each run's paired difference to this one")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="run every method / variant once per value (repeatable: the product of the values)")
     parser.add_argument("--include", action="append", default=[], type=Path, metavar="DIR",
                         help="also compare the runs saved under DIR by an earlier invocation (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
@@ -99,33 +129,49 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variant:
         label, _, overrides = variant.partition("=")
         runs.append((label, overrides))
+    runs = swept(runs, args.sweep)
     if not runs and not args.include:
         parser.error("give --methods, --variant and/or --include")
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    results, failed = included_results(args.include), []
+    groups, failed = included_results(args.include), []
     for label, overrides in runs:
-        result, wall = run_with_flower(label, f"{args.run_config} {overrides}", args.federation_config, out)
-        if result is None:
-            failed.append(label)
-        else:
-            result["wall_seconds"] = wall
-            results[label] = result
-    if not results:
+        for seed in args.seeds or [None]:
+            name, directory = (label, out) if seed is None else (f"seed-{seed}", out / label)
+            extra = "" if seed is None else f" seed={seed}"
+            result, wall = run_with_flower(name, f"{args.run_config} {overrides}{extra}", args.federation_config,
+                                           directory)
+            if result is None:
+                failed.append(label if seed is None else f"{label} seed {seed}")
+            else:
+                result["wall_seconds"] = wall
+                groups.setdefault(label, {})[int(result["run_config"].get("seed", 0))] = result
+    if not groups:
         return 1
+    if args.baseline and args.baseline not in groups:
+        raise SystemExit(f"--baseline {args.baseline!r} is not among the runs ({', '.join(groups)})")
 
     command = shlex.join([Path(sys.executable).name, "benchmarks/compare.py", *(argv or sys.argv[1:])])
-    table = comparison_table(results)
-    walls = ", ".join(f"{k} {v['wall_seconds']:.0f} s" for k, v in results.items() if "wall_seconds" in v)
+    repeated = any(len(runs) > 1 for runs in groups.values())
+    flat = {f"{label} s{seed}" if repeated else label: r for label, runs in groups.items() for seed, r in runs.items()}
+    walls = ", ".join(f"{k} {v['wall_seconds']:.0f} s" for k, v in flat.items() if "wall_seconds" in v)
     report = (
         f"# Comparison\n\n- command: `{command}`\n- date: {datetime.date.today()}\n"
         f"- machine: {machine_description()}\n- wall time per run (incl. start-up): {walls}\n"
         + (f"- failed: {', '.join(failed)}\n" if failed else "")
-        + f"\n{table}"
     )
+    if repeated:
+        report += f"\n## Mean ± std over seeds\n\n{repeats_table(groups)}"
+        if args.baseline:
+            report += (f"\n## Paired difference to {args.baseline} (points, same seeds; 95 % CI, Student t)\n\n"
+                       f"{differences_table(groups, args.baseline)}")
+        report += "\n## Every run\n\n"
+        plot_bands(groups, out / "comparison.png")
+    else:
+        plot_curves(flat, out / "comparison.png")
+    report += f"\n{comparison_table(flat)}"
     (out / "comparison.md").write_text(report)
-    plot_curves(results, out / "comparison.png")
     print("\n" + report)
     print(f"written: {out / 'comparison.md'}, {out / 'comparison.png'}")
     return 1 if failed else 0

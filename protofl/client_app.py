@@ -21,6 +21,7 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
@@ -39,6 +40,9 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
 
     def client_fn(context: Context) -> Client:
         settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
+        # the run config's data-dir is the server's path: this node reads the data set (its
+        # partition and the global test set) from its own
+        settings = dataclasses.replace(settings, data_dir=str(context.node_config.get("data-dir", settings.data_dir)))
         if "num-threads" in context.node_config:
             threads = int(context.node_config["num-threads"])
             if threads < 1:

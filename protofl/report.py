@@ -246,3 +246,111 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
         cells.append(_fmt(float(np.mean(seconds)) if seconds else None, 2))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# Repeats: the same run with several training seeds
+# ---------------------------------------------------------------------------------------
+
+REPEATED_METRICS = {"global_accuracy": "GM", "personalized_accuracy": "PM"}
+STATISTICS = {"final": "final", "best": "best", "last10_mean": "last-10"}
+
+
+def seed_values(runs: Mapping[int, Mapping[str, Any]], metric: str, statistic: str) -> dict[int, float]:
+    """seed -> ``summary[metric][statistic]`` of each run that measured ``metric``."""
+    return {seed: float(r["summary"][metric][statistic]) for seed, r in runs.items() if r["summary"].get(metric)}
+
+
+def mean_and_std(values: Iterable[float]) -> tuple[float, float, int] | None:
+    """(mean, sample standard deviation (ddof 1; 0 for one value), count), None for no values."""
+    array = np.asarray(list(values), dtype=np.float64)
+    if array.size == 0:
+        return None
+    return float(array.mean()), float(array.std(ddof=1)) if array.size > 1 else 0.0, int(array.size)
+
+
+def paired_difference(
+    values: Mapping[int, float], baseline: Mapping[int, float], confidence: float = 0.95
+) -> tuple[float, float | None, float | None, int] | None:
+    """Mean of ``values[s] - baseline[s]`` over the seeds both have, with its Student-t confidence
+    interval: (mean, low, high, number of pairs); no interval for a single pair, None for none."""
+    from scipy import stats
+
+    seeds = sorted(set(values) & set(baseline))
+    if not seeds:
+        return None
+    differences = np.array([values[s] - baseline[s] for s in seeds], dtype=np.float64)
+    mean = float(differences.mean())
+    if len(seeds) < 2:
+        return mean, None, None, 1
+    half = float(stats.t.ppf(0.5 + confidence / 2, len(seeds) - 1) * differences.std(ddof=1) / math.sqrt(len(seeds)))
+    return mean, mean - half, mean + half, len(seeds)
+
+
+def repeats_table(groups: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> str:
+    """Markdown: per run label, GM and PM final / best / last-10 as mean ± std over its seeds."""
+    columns = ["method", "seeds"] + [f"{m} {s}" for m in REPEATED_METRICS.values() for s in STATISTICS.values()]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for label, runs in groups.items():
+        cells = [label, " ".join(str(s) for s in sorted(runs))]
+        for metric in REPEATED_METRICS:
+            for statistic in STATISTICS:
+                summary = mean_and_std(seed_values(runs, metric, statistic).values())
+                cells.append("–" if summary is None else f"{summary[0]:.4f} ± {summary[1]:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def differences_table(groups: Mapping[str, Mapping[int, Mapping[str, Any]]], baseline: str) -> str:
+    """Markdown: each label's paired difference to ``baseline`` (same seeds), in accuracy points,
+    with the 95 % confidence interval."""
+    columns = ["method", "pairs"] + [f"Δ{m} {s}" for m in REPEATED_METRICS.values() for s in STATISTICS.values()]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for label, runs in groups.items():
+        if label == baseline:
+            continue
+        cells, pairs = [label], 0
+        for metric in REPEATED_METRICS:
+            for statistic in STATISTICS:
+                difference = paired_difference(
+                    seed_values(runs, metric, statistic), seed_values(groups[baseline], metric, statistic)
+                )
+                if difference is None:
+                    cells.append("–")
+                    continue
+                mean, low, high, pairs = difference
+                interval = "" if low is None else f" [{100 * low:+.2f}, {100 * high:+.2f}]"
+                cells.append(f"{100 * mean:+.2f}{interval}")
+        lines.append("| " + " | ".join([cells[0], str(pairs), *cells[1:]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_bands(groups: Mapping[str, Mapping[int, Mapping[str, Any]]], path: Path) -> None:
+    """Accuracy per round, mean over seeds with a ± std band: GM solid, PM dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, runs) in enumerate(groups.items()):
+        for key, style in (("global_accuracy", "-"), ("personalized_accuracy", "--")):
+            per_round: dict[int, list[float]] = {}
+            for results in runs.values():
+                for r in results["rounds"]:
+                    if r.get(key) is not None:
+                        per_round.setdefault(r["round"], []).append(r[key])
+            if not per_round:
+                continue
+            xs = sorted(per_round)
+            mean = np.array([np.mean(per_round[x]) for x in xs])
+            std = np.array([np.std(per_round[x], ddof=1) if len(per_round[x]) > 1 else 0.0 for x in xs])
+            ax.plot(xs, mean, style, color=f"C{i % 10}", label=f"{label} {REPEATED_METRICS[key]}")
+            ax.fill_between(xs, mean - std, mean + std, color=f"C{i % 10}", alpha=0.15, linewidth=0)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

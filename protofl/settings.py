@@ -166,6 +166,7 @@ class ExperimentSettings:
     max_grad_norm: float = 0.0
     model: str = "cnn"
     seed: int = 0
+    partition_seed: int = 0
     max_payload_mb: float = 64.0
     num_partitions: int = 0
     verify_partitions: bool = True
@@ -243,7 +244,7 @@ class ExperimentSettings:
             alpha=float(self.alpha),
             classes_per_client=int(self.classes_per_client),
             test_fraction=float(self.test_fraction),
-            seed=int(self.seed),
+            seed=int(self.partition_seed),
             data_fraction=float(self.data_fraction),
             scarce_clients=int(self.scarce_clients),
             scarce_fraction=float(self.scarce_fraction) if self.scarce_clients else 1.0,

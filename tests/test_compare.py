@@ -17,8 +17,8 @@ def load_compare():
     return module
 
 
-def saved_run(directory, label, accuracies):
-    recorder = RunRecorder(directory / label, {"num_server_rounds": len(accuracies)})
+def saved_run(directory, label, accuracies, seed=0):
+    recorder = RunRecorder(directory / label, {"num_server_rounds": len(accuracies), "seed": seed})
     for server_round, accuracy in enumerate(accuracies, start=1):
         recorder.update(server_round, global_accuracy=accuracy, bytes_up=10, bytes_down=10, seconds=1.0)
     recorder.write()
@@ -35,3 +35,34 @@ def test_include_builds_one_table_from_runs_saved_apart(tmp_path):
     assert "0.6000 | 0.7000 (2)" in rows["fedavg"] and "0.7500 | 0.8000 (2)" in rows["fedsc"]
     with pytest.raises(SystemExit, match="no <label>/results.json"):
         compare.main(["--include", str(tmp_path / "missing"), "--out", str(out)])
+
+
+def test_seeds_give_mean_std_and_paired_differences_with_an_interval(tmp_path):
+    # final GM per seed: fedavg 0.60 0.70 0.80; fedsc 0.65 0.80 0.85 -> differences 5, 10, 5 points
+    for seed, (base, new) in enumerate([(0.6, 0.65), (0.7, 0.8), (0.8, 0.85)]):
+        saved_run(tmp_path / "runs" / "fedavg", f"seed-{seed}", [0.5, base], seed)
+        saved_run(tmp_path / "runs" / "fedsc", f"seed-{seed}", [0.5, new], seed)
+    compare = load_compare()
+    out = tmp_path / "table"
+    assert compare.main(["--include", str(tmp_path / "runs"), "--baseline", "fedavg", "--out", str(out)]) == 0
+    report = (out / "comparison.md").read_text()
+    repeats = report.split("## Paired")[0].splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line for line in repeats if line.startswith("| fed")}
+    # mean 0.7, sample std 0.1; fedsc mean 0.7667, std sqrt(((-.1167)^2 + .0333^2 + .0833^2) / 2) = 0.1041
+    assert "0.7000 ± 0.1000" in rows["fedavg"] and "0.7667 ± 0.1041" in rows["fedsc"]
+    # differences: mean 6.67, sd 2.887, t(0.975, 2) = 4.303: half-width 4.303 * 2.887 / sqrt(3) = 7.17
+    difference_rows = [line for line in report.split("Paired difference")[1].splitlines() if line.startswith("| fedsc")]
+    assert difference_rows[0].startswith("| fedsc | 3 | +6.67 [-0.50, +13.84] |")
+    assert (out / "comparison.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--baseline 'fedprox'"):
+        compare.main(["--include", str(tmp_path / "runs"), "--baseline", "fedprox", "--out", str(out)])
+
+
+def test_sweep_labels_every_run_once_per_value():
+    compare = load_compare()
+    runs = compare.swept([("fedavg", "method='fedavg'")], ["lr=0.01,0.05", "fedavg.weighted=true,false"])
+    assert [label for label, _ in runs] == [
+        "fedavg_lr=0.01_fedavg.weighted=true", "fedavg_lr=0.01_fedavg.weighted=false",
+        "fedavg_lr=0.05_fedavg.weighted=true", "fedavg_lr=0.05_fedavg.weighted=false",
+    ]
+    assert runs[1][1] == "method='fedavg' lr=0.01 fedavg.weighted=false"

@@ -173,6 +173,23 @@ def test_node_config_data_dir_replaces_the_run_configs(tmp_path):
         node_data(config, {"partition-id": 1}, "cpu")
 
 
+def test_global_test_pm_reads_the_nodes_data_dir_not_the_servers(tmp_path):
+    from flwr.common import Context, RecordDict
+
+    from protofl.client_app import make_client_fn
+
+    for prefix, n in (("train", 60), ("t10k", 20)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
+    run_config = {"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"), "partition": "iid"}
+    node_config = {"partition-id": 0, "num-partitions": 2, "data-dir": str(tmp_path)}
+    context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config=run_config)
+    client = make_client_fn()(context).numpy_client
+    parameters = [v.cpu().numpy() for v in client.model.state_dict().values()]
+    _, _, metrics = client.evaluate(parameters, {"server-round": 1})
+    assert 0.0 <= metrics["pm-l"] <= 1.0 and 0.0 <= metrics["pm-v"] <= 1.0  # from the node's 20 t10k images
+
+
 def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, monkeypatch):
     from protofl.client_app import node_data
     from protofl.settings import ExperimentSettings

@@ -200,8 +200,19 @@ def test_both_gpr_forms_change_only_trainable_arrays():
     assert interp[0].item() == pytest.approx(2 + 0.1 * 0.5 * (1 - 2))  # 1.95
     assert paper[1].item() == interp[1].item() == 10.0  # a BatchNorm statistic is carried
     # per-class population variance over the C entries: now 1.0, before 0.25
-    assert variance_ratio(np.array([[0.0, 2.0]]), np.array([[0.0, 1.0]])) == pytest.approx(3.0)
-    assert variance_ratio(np.array([[0.0, 2.0]]), np.zeros((1, 2))) is None
+    one = np.array([True])
+    assert variance_ratio(ClassVectors(np.array([[0.0, 2.0]]), one), ClassVectors(np.array([[0.0, 1.0]]), one)) == (
+        pytest.approx(3.0)
+    )
+    assert variance_ratio(ClassVectors(np.array([[0.0, 2.0]]), one), ClassVectors(np.zeros((1, 2)), one)) is None
+
+
+def test_gpr_ratio_compares_only_the_classes_present_in_both_rounds():
+    # class 0 (variance 1) both rounds; class 1 (variance 9) only now; class 2 (variance 4) only before
+    now = ClassVectors(np.array([[0.0, 2.0], [0.0, 6.0], [0.0, 0.0]]), np.array([True, True, False]))
+    before = ClassVectors(np.array([[0.0, 1.0], [0.0, 0.0], [0.0, 4.0]]), np.array([True, False, True]))
+    # class 0 alone: (1 - 0.25) / 0.25 = 3; over each round's own classes it would be (10 - 4.25) / 4.25
+    assert variance_ratio(now, before) == pytest.approx(3.0)
 
 
 def test_fedskc_strategy_reviews_trainable_parameters_from_round_two(tmp_path):
@@ -225,6 +236,12 @@ def test_fedskc_strategy_reviews_trainable_parameters_from_round_two(tmp_path):
     # interp: w + (1 - 0.95) * 3 * (w_prev - w), with w = w_prev + 1
     np.testing.assert_allclose(second[0], first[0] + 1 - 0.05 * 3, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(second[statistic], first[statistic] + 1, rtol=1e-6)  # carried, not reviewed
+    # round 3: nobody holds class 9; over the nine classes held in rounds 2 and 3 the variance doubles
+    # in scale again (rho = 3); comparing 9 classes now with 10 before would give 2.6
+    held = [10] * 9 + [0]
+    updates = [fit_result(p, held, [w + 1 for w in second], knowledge * 4 * (p + 1)) for p in range(2)]
+    strategy.aggregate_fit(3, updates, [])
+    assert strategy.recorder.rounds[3]["gpr_ratio"] == pytest.approx(3.0)
 
 
 # --- clients on digits ------------------------------------------------------------------

@@ -113,10 +113,13 @@ def knowledge_variance(vectors: np.ndarray) -> float:
     return float(np.asarray(vectors, dtype=np.float64).var(axis=1).sum())
 
 
-def variance_ratio(current: np.ndarray, previous: np.ndarray) -> float | None:
-    """rho_r = (sum var_r - sum var_(r-1)) / sum var_(r-1) (Eq. 5); None when the previous sum is 0."""
-    before = knowledge_variance(previous)
-    return None if before <= 0 else (knowledge_variance(current) - before) / before
+def variance_ratio(current: ClassVectors, previous: ClassVectors) -> float | None:
+    """rho_r = (sum var_r - sum var_(r-1)) / sum var_(r-1) (Eq. 5), both sums over the classes
+    present in both rounds (a class that comes or goes would change a sum by itself); None when
+    the previous sum is 0."""
+    common = current.mask & previous.mask
+    before = knowledge_variance(previous.vectors[common])
+    return None if before <= 0 else (knowledge_variance(current.vectors[common]) - before) / before
 
 
 def period_review(
@@ -161,15 +164,15 @@ class FedSKCStrategy(PrototypeStrategy):
         sizes = np.array([u.num_examples for u in updates])
         weights = gda_weights(sizes, discrepancies, self.options.gda_mode if self.options.use_gda else "fedavg")
         aggregated = self.average_parameters(updates, weights)
-        ratio = None
+        ratio, reviewed = None, ClassVectors(new_knowledge, new_mask)
         if self.options.use_gpr and self.knowledge is not None:
-            ratio = variance_ratio(new_knowledge[new_mask], self.knowledge.vectors[self.knowledge.mask])
+            ratio = variance_ratio(reviewed, self.knowledge)
             if ratio is not None:
                 ratio = float(np.clip(ratio, -1.0, 1.0)) if self.options.gpr_clip else ratio
                 aggregated = period_review(
                     aggregated, self.global_weights, ratio, self.options.beta, self.options.gpr_form, self.trainable
                 )
-        self.knowledge = ClassVectors(new_knowledge, new_mask)
+        self.knowledge = reviewed
         self.global_weights = aggregated
         self.recorder.update(
             server_round,

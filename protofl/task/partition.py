@@ -2,7 +2,8 @@
 
 The partitioners are flwr-datasets' own (IID, Dirichlet, pathological), run over a small
 ``datasets.Dataset`` holding only ``label`` and ``idx`` columns; the images stay in numpy.
-``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol),
+``dirichlet-niid`` and ``dirichlet-pfllib`` are the capped Dirichlet splits of FedNH's and
+PFLlib's code (NIID-Bench's), ``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol),
 ``dirichlet-balanced`` the CReFF-style equal-size Dirichlet split of FedSC/FedSKC's code and
 ``nid2`` FedSC's "5 biased + 1 full" split, here. A long-tail profile (``long-tail`` = rho) thins
 the training pool before any of them. Data scarcity (FedCoSR §6.3) cuts clients' shares, per
@@ -19,10 +20,14 @@ from typing import Literal, get_args
 
 import numpy as np
 
-PartitionScheme = Literal["iid", "dirichlet", "dirichlet-balanced", "nid2", "pathological", "pathological-pfllib"]
+PartitionScheme = Literal[
+    "iid", "dirichlet", "dirichlet-niid", "dirichlet-pfllib", "dirichlet-balanced", "nid2", "pathological",
+    "pathological-pfllib",
+]
 PARTITION_SCHEMES = get_args(PartitionScheme)
 MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and test split
 PFLLIB_LEAST_SAMPLES = 40  # PFLlib's least_samples: batch 10 / (1 - 0.75 train share)
+NIID_MIN_SIZE, NIID_MIN_CLASSES, NIID_ATTEMPTS = 10, 2, 3  # FedNH's partitioner (NIID-Bench's, plus a class floor)
 
 @dataclass(frozen=True)
 class PartitionSpec:
@@ -77,6 +82,37 @@ def pfllib_pathological(
             parts[holder].append(shard)
             free_slots[holder] -= 1
     return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
+
+
+def capped_dirichlet(
+    labels: np.ndarray, num_partitions: int, alpha: float, seed: int,
+    min_size: int, min_classes: int = 1, max_attempts: int | None = None,
+) -> list[np.ndarray]:
+    """NIID-Bench's Dirichlet split, which FedNH's and PFLlib's code use: class by class, proportions
+    p ~ Dir(alpha) over the clients, zeroed for those already holding N / K samples (the cap that
+    keeps sizes similar), then the class cut at the cumulative proportions. Redrawn whole while a
+    client has fewer than ``min_size`` samples or ``min_classes`` classes, at most ``max_attempts``
+    times (None: until it holds); the last draw is kept."""
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    rng = np.random.RandomState(seed)
+    num_classes, cap = int(labels.max()) + 1, len(labels) / num_partitions
+    by_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
+    attempt = 0
+    while True:
+        attempt += 1
+        holdings: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        sizes = np.zeros(num_partitions, dtype=np.int64)
+        for members in by_class:
+            members = rng.permutation(members)
+            p = rng.dirichlet(np.full(num_partitions, alpha)) * (sizes < cap)
+            cuts = (np.cumsum(p / p.sum()) * len(members)).astype(int)[:-1]
+            for i, part in enumerate(np.split(members, cuts)):
+                holdings[i].append(part)
+                sizes[i] += len(part)
+        classes = [sum(len(part) > 0 for part in h) for h in holdings]
+        if (sizes.min() >= min_size and min(classes) >= min_classes) or attempt == max_attempts:
+            return [np.concatenate(h) for h in holdings]
 
 
 def long_tail_indices(labels: np.ndarray, rho: float, seed: int) -> np.ndarray:
@@ -172,6 +208,12 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
         return [np.sort(pool[part]) for part in parts]
     if spec.scheme == "pathological-pfllib":
         return _checked(pfllib_pathological(labels, n, int(spec.classes_per_client), spec.seed), spec)
+    if spec.scheme == "dirichlet-niid":  # FedNH: >= 10 samples and >= 2 classes, 3 draws at most
+        parts = capped_dirichlet(labels, n, spec.alpha, spec.seed, NIID_MIN_SIZE, NIID_MIN_CLASSES, NIID_ATTEMPTS)
+        return _checked(parts, spec)
+    if spec.scheme == "dirichlet-pfllib":  # PFLlib: redrawn until every client has min(40, N / 2K) samples
+        least = int(min(PFLLIB_LEAST_SAMPLES, len(labels) / n / 2))
+        return _checked(capped_dirichlet(labels, n, float(spec.alpha), spec.seed, least), spec)
     if spec.scheme == "dirichlet-balanced":
         return _checked(dirichlet_balanced(labels, n, float(spec.alpha), spec.seed), spec)
     if spec.scheme == "nid2":
