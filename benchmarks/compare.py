@@ -31,12 +31,14 @@ import shlex
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from protofl.report import comparison_table, differences_table, plot_bands, plot_curves, repeats_table  # noqa: E402
+from protofl.settings import flatten  # noqa: E402
 
 
 def machine_description() -> str:
@@ -96,6 +98,16 @@ def included_results(directories: list[Path]) -> dict[str, dict[int, dict]]:
     return groups
 
 
+def preset_overrides(path: Path) -> str:
+    """A preset file (``presets/*.toml``) as ``--run-config`` overrides: ``key=value ...``, flat."""
+    def literal(value: object) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f"'{value}'" if isinstance(value, str) else repr(value)
+
+    return " ".join(f"{key}={literal(value)}" for key, value in flatten(tomllib.loads(path.read_text())).items())
+
+
 def swept(runs: list[tuple[str, str]], sweeps: list[str]) -> list[tuple[str, str]]:
     """Every run once per value of every ``KEY=V1,V2,...`` (their product); labels get ``_KEY=V``."""
     for sweep in sweeps:
@@ -113,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=OVERRIDES",
                         help="extra run with its own run-config overrides, e.g. \"fedproto-avg=method='fedproto' "
                              "fedproto.average-parameters=true\"")
-    parser.add_argument("--run-config", default="", help="run-config overrides shared by every run")
+    parser.add_argument("--preset", type=Path, help="a preset file (presets/*.toml): every run starts from it")
+    parser.add_argument("--run-config", default="", help="run-config overrides shared by every run (after --preset)")
     parser.add_argument("--federation-config", default="", help="e.g. \"num-supernodes=20\"")
     parser.add_argument("--seeds", nargs="*", type=int, default=[],
                         help="repeat every run with each of these training seeds (the split stays: partition-seed)")
@@ -140,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds or [None]:
             name, directory = (label, out) if seed is None else (f"seed-{seed}", out / label)
             extra = "" if seed is None else f" seed={seed}"
-            result, wall = run_with_flower(name, f"{args.run_config} {overrides}{extra}", args.federation_config,
-                                           directory)
+            shared = f"{preset_overrides(args.preset) if args.preset else ''} {args.run_config}"
+            result, wall = run_with_flower(name, f"{shared} {overrides}{extra}", args.federation_config, directory)
             if result is None:
                 failed.append(label if seed is None else f"{label} seed {seed}")
             else:

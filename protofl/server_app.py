@@ -89,9 +89,12 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         directory = settings.run_directory()
         checkpoint = open_run(settings, directory)
         strategy_class, _ = get_method(settings.method)
-        dataset = load_dataset(settings.dataset, settings.data_dir)
+        dataset = load_dataset(settings.dataset, settings.data_dir, settings.normalisation)
         model = build_method_model(settings, dataset)
-        global_test = load_global_test(settings.dataset, settings.data_dir, str(get_device()))
+        global_test = None  # pool='train+test': the test set is in the partitions, no GM
+        if settings.pool == "train":
+            global_test = load_global_test(settings.dataset, settings.data_dir, str(get_device()),
+                                           normalisation=settings.normalisation)
         sizes = None
         if settings.verify_partitions:  # the server's copy of the data set says what each partition holds
 

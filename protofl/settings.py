@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 
+from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
 from protofl.task.train import BatchNormStats, PartialBatch
 
 EvaluateClients = Literal["sampled", "all"]
+Pool = Literal["train", "train+test"]
+Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval.
 RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite"})
 
@@ -149,6 +152,9 @@ class ExperimentSettings:
     scarce_clients: int = 0
     scarce_fraction: float = 0.1
     long_tail: float = 1.0
+    pool: Pool = "train"
+    normalisation: Normalisation = "half"
+    augment: Augmentation = "none"
     num_server_rounds: int = 20
     fraction_fit: float = 1.0
     min_fit_clients: int = 2
@@ -209,8 +215,14 @@ class ExperimentSettings:
             raise ValueError(f"long-tail (rho = n_max / n_min) must be >= 1, got {self.long_tail}")
         if self.scarce_clients < 0:
             raise ValueError(f"scarce-clients must be >= 0, got {self.scarce_clients}")
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"test-fraction must be in (0, 1), got {self.test_fraction}")
+        if not 0.0 <= self.test_fraction < 1.0:
+            raise ValueError(f"test-fraction must be in [0, 1), got {self.test_fraction}")
+        if self.test_fraction == 0 and (self.pool != "train" or self.global_test_pm_per_class):
+            raise ValueError("test-fraction=0 scores every client on the whole global test set: it needs "
+                             "pool='train' and global-test-pm-per-class=0")
+        if self.pool != "train" and self.global_test_pm:
+            raise ValueError("pool='train+test' partitions the test set too, so there is no global test set: "
+                             "set global-test-pm=false")
         for name in ("num_server_rounds", "local_epochs", "batch_size", "min_fit_clients", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
@@ -249,6 +261,8 @@ class ExperimentSettings:
             scarce_clients=int(self.scarce_clients),
             scarce_fraction=float(self.scarce_fraction) if self.scarce_clients else 1.0,
             long_tail=float(self.long_tail),
+            pool=self.pool,
+            normalisation=self.normalisation,
         )
 
     def is_eval_round(self, server_round: int) -> bool:

@@ -245,3 +245,53 @@ def test_emnist_balanced_idx_files_in_nist_and_torchvision_layouts(tmp_path, lay
 def test_emnist_without_files_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="emnist-balanced"):
         data.load_dataset("emnist", str(tmp_path))
+
+
+def test_dataset_normalisation_uses_the_channel_statistics(tmp_path):
+    batches = write_cifar(tmp_path, 10, [6, 6, 6, 6, 6], 5)
+    half = data.load_dataset("cifar10", str(tmp_path))
+    own = data.load_dataset("cifar10", str(tmp_path), "dataset")
+    pixel = batches["data_batch_1"]["data"][0, 1024 + 32 * 3 + 4] / 255.0  # green plane, row 3, column 4
+    assert own.train.images[0, 1, 3, 4] == pytest.approx((pixel - 0.4822) / 0.1994, abs=1e-5)
+    assert half.train.images[0, 1, 3, 4] == pytest.approx(pixel * 2 - 1, abs=1e-6)
+    np.testing.assert_allclose(data.black_level("cifar10", "dataset"), [-0.4914 / 0.2023, -0.4822 / 0.1994,
+                                                                        -0.4465 / 0.2010], rtol=1e-6)
+    with pytest.raises(ValueError, match="normalisation='dataset'"):
+        data.channel_stats("fmnist", "dataset")
+
+
+def test_merged_pool_and_no_local_test_split(tmp_path):
+    write_cifar(tmp_path, 10, [40, 40, 40, 40, 40], 50)
+    pooled = PartitionSpec("iid", 5, test_fraction=0.25, pool="train+test")
+    assert len(data.training_pool("cifar10", str(tmp_path), pooled)) == 250
+    sizes = [data.partition_sizes("cifar10", str(tmp_path), pooled, p) for p in range(5)]
+    assert sum(int(s.train_counts.sum()) + s.num_test for s in sizes) == 250
+    # test-fraction 0: all of the partition trains, the test split is the global test set (shared tensors)
+    whole = PartitionSpec("iid", 5, test_fraction=0.0)
+    clients = [data.load_client_data("cifar10", str(tmp_path), whole, p) for p in range(2)]
+    assert clients[0].num_train == 40 and clients[0].num_test == 50
+    assert clients[0].test_x.data_ptr() == clients[1].test_x.data_ptr()
+    assert data.partition_sizes("cifar10", str(tmp_path), whole, 0).num_test == 50
+
+
+def test_tinyimagenet_folder(tmp_path):
+    root = tmp_path / "tiny-imagenet-200"
+    wnids = [f"n{i:08d}" for i in range(200)][::-1]  # listed out of order: ids follow the sorted names
+    root.mkdir()
+    (root / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    for wnid in wnids[:3]:  # classes 199, 198, 197
+        (root / "train" / wnid / "images").mkdir(parents=True)
+        for k in range(2):
+            Image.new("RGB", (64, 64), (10 * k, 128, 250)).save(root / "train" / wnid / "images" / f"{wnid}_{k}.JPEG")
+    (root / "val" / "images").mkdir(parents=True)
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(root / "val" / "images" / "val_0.JPEG")
+    (root / "val" / "val_annotations.txt").write_text(f"val_0.JPEG\t{wnids[-1]}\t0\t0\t63\t63\n")
+    dataset = data.load_dataset("tinyimagenet", str(tmp_path))
+    assert dataset.num_classes == 200 and dataset.train.images.shape == (6, 3, 64, 64)
+    assert sorted(set(dataset.train.labels.tolist())) == [197, 198, 199] and dataset.test.labels.tolist() == [0]
+    assert dataset.test.images[0, 0].mean() == pytest.approx(1.0, abs=0.02)  # red 255 -> +1 (JPEG is lossy)
+    (root / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn99999999\t0\t0\t63\t63\n")
+    with pytest.raises(ValueError, match="unknown class"):
+        data.load_tinyimagenet_dir(tmp_path)
+    with pytest.raises(ValueError, match="no hub copy"):
+        data.load_dataset("tinyimagenet")

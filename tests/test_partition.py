@@ -135,3 +135,40 @@ def test_long_tail_thins_classes_exponentially_before_partitioning():
     # n_max = 300, class c keeps floor(300 * 100^(-c / 9)): 300, 179, ..., 3
     assert kept.tolist() == [int(300 * 100 ** (-c / 9)) for c in range(10)]
     assert kept[0] / kept[-1] == 100
+
+
+@pytest.mark.parametrize("scheme", ["dirichlet-niid", "dirichlet-pfllib"])
+def test_capped_dirichlet_caps_sizes_and_keeps_its_floors(scheme):
+    labels = np.repeat(np.arange(10), [400, 300, 300, 200, 200, 200, 100, 100, 100, 100])  # 2,000
+    alpha = 0.3 if scheme == "dirichlet-niid" else 0.05  # FedNH's alpha: its 3 draws meet its floors
+    parts = partition_indices(labels, PartitionSpec(scheme, 10, alpha=alpha, seed=3))
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.sum() == 2000 and len(np.unique(np.concatenate(parts))) == 2000
+    # a client stops receiving once it holds N / K = 200: it can pass the cap only by the class that crossed it
+    assert sizes.max() < 200 + 400
+    if scheme == "dirichlet-niid":  # >= 10 samples and >= 2 classes (FedNH)
+        assert sizes.min() >= 10 and min(classes_per_partition(parts, labels)) >= 2
+    else:  # PFLlib: min(40, N / 2K) = 40
+        assert sizes.min() >= 40
+    again = partition_indices(labels, PartitionSpec(scheme, 10, alpha=alpha, seed=3))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_capped_dirichlet_without_the_cap_would_pile_up():
+    from protofl.task.partition import capped_dirichlet
+
+    # two clients, class 0 then class 1, 100 each: a client that took the whole of class 0 holds
+    # the cap N / K = 100 and gets none of class 1 (at alpha 0.01 most draws give one client all of it)
+    labels = np.repeat([0, 1], 100)
+    capped = 0
+    for seed in range(20):
+        for p in capped_dirichlet(labels, 2, alpha=0.01, seed=seed, min_size=0):
+            if (labels[p] == 0).sum() == 100:
+                assert (labels[p] == 1).sum() == 0
+                capped += 1
+    assert capped >= 10
+    # a floor it can never reach ends after max_attempts draws, with the last one
+    with pytest.warns(UserWarning, match="after 3 draws"):  # FedNH's code keeps it
+        assert len(capped_dirichlet(labels, 2, 0.5, 0, min_size=10**6, max_attempts=3, keep_last=True)) == 2
+    with pytest.raises(ValueError, match="no draw in 50"):  # PFLlib's would loop for ever
+        capped_dirichlet(labels, 2, 0.5, 0, min_size=10**6, max_attempts=50)

@@ -151,3 +151,20 @@ def test_task_settings_report_and_the_overhead_benchmark_import_no_flower():
     pattern = re.compile(r"^\s*(from|import)\s+flwr(\.|\s|$)", re.MULTILINE)
     offenders = [p.name for p in (ROOT / "protofl" / "task").glob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_the_split_follows_partition_seed_not_the_training_seed():
+    spec = ExperimentSettings(seed=0).partition_spec(4)
+    assert ExperimentSettings(seed=5).partition_spec(4) == spec
+    assert ExperimentSettings(partition_seed=5).partition_spec(4) != spec
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"test-fraction": 0.0, "global-test-pm-per-class": 100}, "whole global test set"),
+    ({"pool": "train+test"}, "no global test set"),
+    ({"pool": "train+test", "global-test-pm": False, "test-fraction": 0.0}, "whole global test set"),
+    ({"test-fraction": 1.0}, r"in \[0, 1\)"),
+])
+def test_evaluation_protocols_that_cannot_hold_are_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        ExperimentSettings.from_run_config(values)

@@ -59,3 +59,21 @@ def test_batchnorm_statistics_are_stale_while_they_hold_over_one_percent_of_the_
     assert not stale_batchnorm(nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)), 0)
     model[1].momentum = None
     assert stale_batchnorm(model, 1000)
+
+
+def test_crop_flip_is_each_images_own_window_of_the_padded_image():
+    from protofl.task.augment import crop_flip
+
+    x = torch.arange(2 * 3 * 5 * 6, dtype=torch.float32).reshape(2, 3, 5, 6)
+    fill = torch.tensor([-1.0, -2.0, -3.0])
+    out = crop_flip(x, torch.Generator().manual_seed(7), fill, padding=2)
+    padded = torch.cat([torch.full((2, 1, 9, 10), v) for v in fill.tolist()], dim=1)
+    padded[:, :, 2:7, 2:8] = x
+    for i in range(2):  # some offset (dy, dx) in [0, 4]^2, flipped or not
+        windows = [padded[i, :, dy:dy + 5, dx:dx + 6] for dy in range(5) for dx in range(5)]
+        assert any(torch.equal(out[i], w) or torch.equal(out[i], w.flip(-1)) for w in windows)
+    # over many draws: every offset and both flips occur, and the draws come from the generator
+    many = crop_flip(x[:1].expand(400, 3, 5, 6), torch.Generator().manual_seed(0), fill, padding=2)
+    corner = many[:, 0, 0, 0]
+    assert (corner == -1.0).any() and (corner != -1.0).any()
+    assert torch.equal(many, crop_flip(x[:1].expand(400, 3, 5, 6), torch.Generator().manual_seed(0), fill, 2))

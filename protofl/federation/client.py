@@ -51,7 +51,8 @@ from protofl.federation.wire import (
 )
 from protofl.report import class_weighted_accuracy
 from protofl.settings import ExperimentSettings, MethodOptions
-from protofl.task.data import ClientData, load_global_test
+from protofl.task.augment import make_augment
+from protofl.task.data import ClientData, black_level, load_global_test
 from protofl.task.models import SplitModel
 from protofl.task.privacy import privatize_class_means
 from protofl.task.train import (
@@ -90,6 +91,8 @@ class PrototypeClient(NumPyClient):
         self.options = self.options_class.from_settings(settings)
         self.data = data
         self.device = data.train_x.device
+        fill = torch.from_numpy(black_level(settings.dataset, settings.normalisation))
+        self.augment = make_augment(settings.augment, fill.expand(data.in_channels))
         self.model = model.to(self.device)
         self.num_partitions = num_partitions
         self.store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id)
@@ -255,6 +258,7 @@ class PrototypeClient(NumPyClient):
             "weight_decay": s.weight_decay,
             "max_grad_norm": s.max_grad_norm,
             "seed": round_seed(config, s.seed),
+            "augment": self.augment,
         }
 
     def recompute_batchnorm(self) -> bool:
@@ -337,20 +341,26 @@ class PrototypeClient(NumPyClient):
         correct = {name: int((predict(features, logits) == y).sum()) for name, predict in predictors.items()}
         metrics: dict[str, Scalar] = {f"{CORRECT}-{name}": n for name, n in correct.items()} if len(correct) > 1 else {}
         metrics |= {CORRECT: correct[reported], PARTITION_ID: self.data.partition_id}
-        metrics |= self.global_test_scores(predictors[reported])
+        if self.settings.global_test_pm:
+            metrics |= self.global_test_scores(predictors[reported], features, logits)
         return loss, self.data.num_test, metrics
 
-    def global_test_scores(self, predict: Predictor) -> dict[str, Scalar]:
+    def global_test_scores(
+        self, predict: Predictor, test_features: torch.Tensor, test_logits: torch.Tensor
+    ) -> dict[str, Scalar]:
         """FedNH's PM(L) and PM(V) of the current model on the (balanced) global test set.
 
         PM(L) weights each class by this client's share of it in training, PM(V) weights the
-        classes it holds equally. Empty when ``global-test-pm`` is off.
+        classes it holds equally. With ``test-fraction=0`` the local test split is the global
+        test set, scored once (``test_features``, ``test_logits``).
         """
         s = self.settings
-        if not s.global_test_pm:
-            return {}
-        x, y = load_global_test(s.dataset, s.data_dir, str(self.device), s.global_test_pm_per_class)
-        predicted = predict(*features_and_logits(self.model, x))
+        if s.test_fraction == 0:
+            y, predicted = self.data.test_y, predict(test_features, test_logits)
+        else:
+            x, y = load_global_test(s.dataset, s.data_dir, str(self.device), s.global_test_pm_per_class,
+                                    s.normalisation)
+            predicted = predict(*features_and_logits(self.model, x))
         correct = torch.bincount(y[predicted == y], minlength=self.data.num_classes).cpu().numpy()
         tested = torch.bincount(y, minlength=self.data.num_classes).cpu().numpy()
         counts = self.data.class_counts()

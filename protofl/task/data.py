@@ -12,16 +12,24 @@ Sources:
   from the Hugging Face hub; images are stored transposed and are turned upright.
 - ``cifar10`` / ``cifar100``: torchvision's on-disk format under ``data-dir``
   (``cifar-10-batches-py`` / ``cifar-100-python``), else the hub copy through flwr-datasets.
+- ``tinyimagenet``: Stanford's ``tiny-imagenet-200`` folder under ``data-dir`` (200 classes,
+  64x64 JPEGs; ``train/<wnid>/images/``, the labelled ``val/`` as the test set); no hub copy.
+
+Images are float32 N x C x H x W. ``normalisation="half"`` maps every pixel to [-1, 1] (mean 0.5,
+std 0.5 per channel, as PFLlib); ``"dataset"`` uses the data set's own channel statistics, as
+FedNH's and FedSA's code do for CIFAR and Tiny-ImageNet. With ``pool="train+test"`` the official
+train and test sets are merged before partitioning (PFLlib's convention: FedSA, FedCoSR); there is
+then no global test set. With ``test-fraction=0`` a client has no local test split and is scored
+on the whole global test set instead (FedNH's protocol).
 
 A client's data is its partition of the training pool (``load_client_data``), or, in a
 deployment where each node holds its own files, those files whole (``load_local_client_data``);
 ``cached_on_disk`` keeps it on the node between the per-message processes of a deployment.
-
-Images are float32 N x C x H x W scaled to [-1, 1] (mean 0.5, std 0.5 per channel, as PFLlib).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -46,6 +54,13 @@ DATASETS = {
     "emnist": (47, "Royc30ne/emnist-balanced", None, None),  # a hub repository of NIST's IDX files
     "cifar10": (10, "uoft-cs/cifar10", "img", "label"),
     "cifar100": (100, "uoft-cs/cifar100", "img", "fine_label"),
+    "tinyimagenet": (200, None, None, None),
+}
+# per-channel (mean, std) of pixel values in [0, 1], for normalisation="dataset" (FedNH's code)
+CHANNEL_STATS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+    "cifar100": ((0.507, 0.487, 0.441), (0.267, 0.256, 0.276)),
+    "tinyimagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
 }
 
 
@@ -118,6 +133,30 @@ def _normalise(images_uint8: np.ndarray) -> np.ndarray:
 
 def _split(images_uint8: np.ndarray, labels) -> ArraySplit:
     return ArraySplit(_normalise(images_uint8), np.asarray(labels, dtype=np.int64))
+
+
+def channel_stats(name: str, normalisation: str) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, std) per channel that ``normalisation`` maps a data set's [0, 1] pixels with."""
+    if normalisation == "half":
+        return np.array([0.5], np.float32), np.array([0.5], np.float32)
+    if name not in CHANNEL_STATS:
+        raise ValueError(f"normalisation='dataset' has statistics for {sorted(CHANNEL_STATS)}, not {name!r}")
+    mean, std = CHANNEL_STATS[name]
+    return np.array(mean, np.float32), np.array(std, np.float32)
+
+
+def black_level(name: str, normalisation: str) -> np.ndarray:
+    """Per channel, the value a black pixel has after normalisation (the fill of padded crops)."""
+    mean, std = channel_stats(name, normalisation)
+    return -mean / std
+
+
+def _renormalised(split: ArraySplit, name: str, normalisation: str) -> ArraySplit:
+    """``split`` (mean 0.5, std 0.5) mapped to ``normalisation``'s statistics."""
+    if normalisation == "half":
+        return split
+    mean, std = (a[None, :, None, None] for a in channel_stats(name, normalisation))
+    return ArraySplit(((split.images * 0.5 + 0.5 - mean) / std).astype(np.float32), split.labels)
 
 
 # --- digits ------------------------------------------------------------------------------
@@ -260,6 +299,42 @@ def load_cifar_dir(directory: Path, num_classes: int) -> tuple[ArraySplit, Array
     return read_cifar_files(directory, num_classes, "train"), read_cifar_files(directory, num_classes, "test")
 
 
+# --- Tiny-ImageNet (Stanford's folder of JPEGs) -----------------------------------------
+
+
+def _read_images(paths: list[Path]) -> np.ndarray:
+    from PIL import Image
+
+    def read(path: Path) -> np.ndarray:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+    return np.stack([read(path) for path in paths]) if paths else np.empty((0, 64, 64, 3), np.uint8)
+
+
+def load_tinyimagenet_dir(directory: Path) -> tuple[ArraySplit, ArraySplit]:
+    """``tiny-imagenet-200`` under ``directory`` (or ``directory`` itself): ``wnids.txt``, the training
+    images ``train/<wnid>/images/*.JPEG`` and the labelled validation set (``val/images`` with
+    ``val/val_annotations.txt``) as the test set. Class ids follow the sorted wnids."""
+    root = directory / "tiny-imagenet-200" if (directory / "tiny-imagenet-200").is_dir() else directory
+    if not (root / "wnids.txt").is_file():
+        raise FileNotFoundError(f"{root} has no wnids.txt (Stanford's tiny-imagenet-200 layout)")
+    wnids = sorted(root.joinpath("wnids.txt").read_text().split())
+    if len(wnids) != DATASETS["tinyimagenet"][0]:
+        raise ValueError(f"{root / 'wnids.txt'} lists {len(wnids)} classes, not 200")
+    label_of = {wnid: i for i, wnid in enumerate(wnids)}
+    train = [(path, label_of[w]) for w in wnids for path in sorted((root / "train" / w / "images").glob("*.JPEG"))]
+    test = []
+    for line in root.joinpath("val", "val_annotations.txt").read_text().splitlines():
+        fields = line.split("\t")
+        if len(fields) >= 2:
+            if fields[1] not in label_of:
+                raise ValueError(f"val_annotations.txt: {fields[0]} has the unknown class {fields[1]!r}")
+            test.append((root / "val" / "images" / fields[0], label_of[fields[1]]))
+    splits = [_split(_read_images([p for p, _ in pairs]), [y for _, y in pairs]) for pairs in (train, test)]
+    return splits[0], splits[1]
+
+
 # --- Hugging Face hub through flwr-datasets ---------------------------------------------
 
 
@@ -288,8 +363,14 @@ def _load_hub(hub_name: str, image_key: str, label_key: str) -> tuple[ArraySplit
 
 
 @functools.lru_cache(maxsize=4)
-def load_dataset(name: str, data_dir: str = "") -> Dataset:
-    """Load a dataset once per process (cached by name and data-dir)."""
+def load_dataset(name: str, data_dir: str = "", normalisation: str = "half") -> Dataset:
+    """Load a dataset once per process (cached by name, data-dir and normalisation)."""
+    dataset = _load(name, data_dir)
+    train, test = (_renormalised(split, name, normalisation) for split in (dataset.train, dataset.test))
+    return Dataset(name, dataset.num_classes, train, test)
+
+
+def _load(name: str, data_dir: str) -> Dataset:
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
     num_classes, hub_name, image_key, label_key = DATASETS[name]
@@ -304,6 +385,10 @@ def load_dataset(name: str, data_dir: str = "") -> Dataset:
         train, test = load_idx_dir(directory) if directory else _load_hub(hub_name, image_key, label_key)
     elif name == "emnist":
         train, test = load_emnist_dir(directory) if directory else _load_emnist_hub(hub_name)
+    elif name == "tinyimagenet":
+        if directory is None:
+            raise ValueError("tinyimagenet has no hub copy here: set data-dir to the tiny-imagenet-200 folder")
+        train, test = load_tinyimagenet_dir(directory)
     else:
         train, test = (
             load_cifar_dir(directory, num_classes) if directory else _load_hub(hub_name, image_key, label_key)
@@ -318,9 +403,22 @@ def _check_labels(name: str, num_classes: int, split: ArraySplit) -> None:
         raise ValueError(f"{name}: no samples, or labels outside [0, {num_classes})")
 
 
+def training_pool(name: str, data_dir: str, spec: PartitionSpec) -> ArraySplit:
+    """What is partitioned: the training set, or training and test set merged (``pool``)."""
+    dataset = load_dataset(name, data_dir, spec.normalisation)
+    return dataset.train if spec.pool == "train" else _merged(name, data_dir, spec.normalisation)
+
+
+@functools.lru_cache(maxsize=2)
+def _merged(name: str, data_dir: str, normalisation: str) -> ArraySplit:
+    dataset = load_dataset(name, data_dir, normalisation)
+    train, test = dataset.train, dataset.test
+    return ArraySplit(np.concatenate([train.images, test.images]), np.concatenate([train.labels, test.labels]))
+
+
 @functools.lru_cache(maxsize=8)
 def _partitions(name: str, data_dir: str, spec: PartitionSpec) -> tuple[np.ndarray, ...]:
-    return tuple(partition_indices(load_dataset(name, data_dir).train.labels, spec))
+    return tuple(partition_indices(training_pool(name, data_dir, spec).labels, spec))
 
 
 @functools.lru_cache(maxsize=256)
@@ -330,9 +428,14 @@ def load_client_data(
     """One client's data, split and moved to ``device`` once per process."""
     if not 0 <= partition_id < spec.num_partitions:
         raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
-    dataset = load_dataset(name, data_dir)
+    num_classes = DATASETS[name][0]
     partition = _partitions(name, data_dir, spec)[partition_id]
-    return _client_data(dataset.train, dataset.num_classes, partition, spec, partition_id, device)
+    data = _client_data(training_pool(name, data_dir, spec), num_classes, partition, spec, partition_id, device)
+    if spec.test_fraction > 0:
+        return data
+    # no local test split: scored on the global test set (the same tensors for every client)
+    test_x, test_y = load_global_test(name, data_dir, device, normalisation=spec.normalisation)
+    return dataclasses.replace(data, test_x=test_x, test_y=test_y)
 
 
 @dataclass(frozen=True)
@@ -346,11 +449,11 @@ class PartitionSizes:
 @functools.lru_cache(maxsize=1024)
 def partition_sizes(name: str, data_dir: str, spec: PartitionSpec, partition_id: int) -> PartitionSizes:
     """The class counts and test size :func:`load_client_data` gives a partition, without loading it."""
-    dataset = load_dataset(name, data_dir)
-    labels = dataset.train.labels
+    labels = training_pool(name, data_dir, spec).labels
     partition = _partitions(name, data_dir, spec)[partition_id]
     train_idx, test_idx = client_split(labels, partition, spec, partition_id)
-    return PartitionSizes(np.bincount(labels[train_idx], minlength=dataset.num_classes).astype(np.int64), len(test_idx))
+    num_test = len(test_idx) if spec.test_fraction > 0 else len(load_dataset(name, data_dir, spec.normalisation).test)
+    return PartitionSizes(np.bincount(labels[train_idx], minlength=DATASETS[name][0]).astype(np.int64), num_test)
 
 
 LOCAL_DATA_FORMATS = ("fmnist", "cifar10", "cifar100")
@@ -369,6 +472,8 @@ def load_local_client_data(
     """
     if name not in LOCAL_DATA_FORMATS:
         raise ValueError(f"local-data-dir works with {LOCAL_DATA_FORMATS}, not {name!r}")
+    if spec.test_fraction <= 0 or spec.pool != "train":
+        raise ValueError("local-data-dir splits the node's own files: it needs test-fraction > 0 and pool='train'")
     directory = Path(data_dir).expanduser()
     if not directory.is_dir():
         raise FileNotFoundError(f"local-data-dir {directory} does not exist")
@@ -378,6 +483,7 @@ def load_local_client_data(
     else:
         split = read_cifar_files(directory, num_classes, "train", require_all=False)
     _check_labels(name, num_classes, split)
+    split = _renormalised(split, name, spec.normalisation)
     return _client_data(split, num_classes, np.arange(len(split)), spec, partition_id, device)
 
 
@@ -441,11 +547,11 @@ def _client_data(
 
 @functools.lru_cache(maxsize=4)
 def load_global_test(
-    name: str, data_dir: str, device: str = "cpu", per_class: int = 0
+    name: str, data_dir: str, device: str = "cpu", per_class: int = 0, normalisation: str = "half"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global test set as tensors on ``device``; ``per_class > 0`` keeps only the first
     ``per_class`` images of each class (a smaller, still balanced, set)."""
-    test = load_dataset(name, data_dir).test
+    test = load_dataset(name, data_dir, normalisation).test
     keep = np.arange(len(test))
     if per_class > 0:
         keep = np.concatenate([np.flatnonzero(test.labels == c)[:per_class] for c in np.unique(test.labels)])

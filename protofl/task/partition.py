@@ -28,10 +28,11 @@ PARTITION_SCHEMES = get_args(PartitionScheme)
 MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and test split
 PFLLIB_LEAST_SAMPLES = 40  # PFLlib's least_samples: batch 10 / (1 - 0.75 train share)
 NIID_MIN_SIZE, NIID_MIN_CLASSES, NIID_ATTEMPTS = 10, 2, 3  # FedNH's partitioner (NIID-Bench's, plus a class floor)
+PFLLIB_ATTEMPTS = 1000  # PFLlib redraws without end; past this many draws the floor is out of reach
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """Everything that decides which samples a client gets (hashable, for caching)."""
+    """Everything that decides which samples a client gets, and their values (hashable, for caching)."""
 
     scheme: str
     num_partitions: int
@@ -43,6 +44,8 @@ class PartitionSpec:
     scarce_clients: int = 0  # ... and the last `scarce_clients` clients only `scarce_fraction` of that
     scarce_fraction: float = 1.0
     long_tail: float = 1.0  # rho = n_max / n_min of the training pool before partitioning (1: as loaded)
+    pool: str = "train"  # what is partitioned: "train", or "train+test" merged (PFLlib)
+    normalisation: str = "half"  # pixel statistics: 0.5 / 0.5, or the data set's own ("dataset")
 
     def kept_fraction(self, partition_id: int) -> float:
         """The share of its partition that a client keeps (1.0: all of it)."""
@@ -86,13 +89,13 @@ def pfllib_pathological(
 
 def capped_dirichlet(
     labels: np.ndarray, num_partitions: int, alpha: float, seed: int,
-    min_size: int, min_classes: int = 1, max_attempts: int | None = None,
+    min_size: int, min_classes: int = 1, max_attempts: int = PFLLIB_ATTEMPTS, keep_last: bool = False,
 ) -> list[np.ndarray]:
     """NIID-Bench's Dirichlet split, which FedNH's and PFLlib's code use: class by class, proportions
     p ~ Dir(alpha) over the clients, zeroed for those already holding N / K samples (the cap that
     keeps sizes similar), then the class cut at the cumulative proportions. Redrawn whole while a
     client has fewer than ``min_size`` samples or ``min_classes`` classes, at most ``max_attempts``
-    times (None: until it holds); the last draw is kept."""
+    times; then the last draw is kept with a warning (``keep_last``, FedNH's code) or it is an error."""
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
     rng = np.random.RandomState(seed)
@@ -111,7 +114,17 @@ def capped_dirichlet(
                 holdings[i].append(part)
                 sizes[i] += len(part)
         classes = [sum(len(part) > 0 for part in h) for h in holdings]
-        if (sizes.min() >= min_size and min(classes) >= min_classes) or attempt == max_attempts:
+        met = sizes.min() >= min_size and min(classes) >= min_classes
+        if met or attempt == max_attempts:
+            if not met and not keep_last:
+                raise ValueError(
+                    f"capped Dirichlet split: no draw in {attempt} gave every client {min_size} samples and "
+                    f"{min_classes} classes; use fewer clients or a larger alpha"
+                )
+            if not met:
+                warnings.warn(f"Dirichlet split: after {attempt} draws a client still has fewer than {min_size} "
+                              f"samples or {min_classes} classes (smallest {sizes.min()}, fewest classes "
+                              f"{min(classes)}); kept the last draw, as FedNH's code does")
             return [np.concatenate(h) for h in holdings]
 
 
@@ -209,7 +222,7 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
     if spec.scheme == "pathological-pfllib":
         return _checked(pfllib_pathological(labels, n, int(spec.classes_per_client), spec.seed), spec)
     if spec.scheme == "dirichlet-niid":  # FedNH: >= 10 samples and >= 2 classes, 3 draws at most
-        parts = capped_dirichlet(labels, n, spec.alpha, spec.seed, NIID_MIN_SIZE, NIID_MIN_CLASSES, NIID_ATTEMPTS)
+        parts = capped_dirichlet(labels, n, spec.alpha, spec.seed, NIID_MIN_SIZE, NIID_MIN_CLASSES, NIID_ATTEMPTS, True)
         return _checked(parts, spec)
     if spec.scheme == "dirichlet-pfllib":  # PFLlib: redrawn until every client has min(40, N / 2K) samples
         least = int(min(PFLLIB_LEAST_SAMPLES, len(labels) / n / 2))
@@ -321,7 +334,7 @@ def client_split(
     train_pos, test_pos = stratified_split(
         labels[partition], spec.test_fraction, seed=(spec.seed, partition_id)
     )
-    if len(test_pos) == 0:
+    if len(test_pos) == 0 and spec.test_fraction > 0:
         raise ValueError(
             f"partition {partition_id} ({len(partition)} samples) is too small for a local "
             f"test split at test-fraction={spec.test_fraction}"

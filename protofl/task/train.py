@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protofl.task.augment import Augment
+
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 # where local prototypes come from: an eval pass after training, or the training-mode vectors seen
@@ -43,6 +45,7 @@ def train(
     max_grad_norm: float = 0.0,
     extra_loss: ExtraLoss | None = None,
     partial_batch: PartialBatch = "drop",
+    augment: Augment | None = None,
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
@@ -51,6 +54,7 @@ def train(
     batch is always one batch. A BatchNorm layer trained on a batch of two or three takes a step
     that can wreck the model (see docs/results.md). ``max_grad_norm > 0`` clips the total gradient norm.
     Only parameters with ``requires_grad`` are optimised (buffers, e.g. a frozen head, never are).
+    ``augment`` transforms each batch's images (its draws from the same seeded generator).
     """
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -65,7 +69,8 @@ def train(
             batch = order[start : start + batch_size]
             if _skipped(len(batch), n, batch_size, partial_batch):
                 continue
-            features, logits = model(x[batch])
+            inputs = x[batch] if augment is None else augment(x[batch], generator)
+            features, logits = model(inputs)
             loss = F.cross_entropy(logits, y[batch])
             extra = extra_loss(features, logits, y[batch]) if extra_loss is not None else None
             if extra is not None:
