@@ -74,11 +74,16 @@ def run_with_flower(label: str, run_config: str, federation_config: str, out: Pa
         print(f"=== {label} failed (exit code {returncode}, no {results_path})", flush=True)
         return None, wall
     results = json.loads(results_path.read_text())
-    rounds, wanted = results["rounds"], results["run_config"]["num_server_rounds"]
-    if not rounds or rounds[-1]["round"] != wanted:  # `flwr run` can exit 0 when its run was killed
-        print(f"=== {label} failed: {len(rounds)} of {wanted} rounds in {results_path}", flush=True)
+    if not finished(results):  # `flwr run` can exit 0 when its run was killed
+        print(f"=== {label} failed: {len(results['rounds'])} rounds in {results_path}", flush=True)
         return None, wall
     return results, wall
+
+
+def finished(results: dict) -> bool:
+    """Whether a results.json holds every round its run asked for."""
+    rounds, wanted = results["rounds"], results["run_config"].get("num_server_rounds")
+    return bool(rounds) and rounds[-1]["round"] == wanted
 
 
 def included_results(directories: list[Path]) -> dict[str, dict[int, dict]]:
@@ -94,6 +99,10 @@ def included_results(directories: list[Path]) -> dict[str, dict[int, dict]]:
         for path in paths:
             label = (path.parent.parent if path.parent.name.startswith("seed-") else path.parent).name
             results = json.loads(path.read_text())
+            if not finished(results):  # results.json is written every round: a run still going, or killed
+                print(f"--include: skipped {path}: {len(results['rounds'])} rounds of "
+                      f"{results['run_config'].get('num_server_rounds')}", flush=True)
+                continue
             groups.setdefault(label, {})[int(results["run_config"].get("seed", 0))] = results
     return groups
 

@@ -54,6 +54,12 @@ def test_seeds_give_mean_std_and_paired_differences_with_an_interval(tmp_path):
     difference_rows = [line for line in report.split("Paired difference")[1].splitlines() if line.startswith("| fedsc")]
     assert difference_rows[0].startswith("| fedsc | 3 | +6.67 [-0.50, +13.84] |")
     assert (out / "comparison.png").stat().st_size > 0
+    # a run still going (results.json is written every round) is left out, not averaged in
+    recorder = RunRecorder(tmp_path / "runs" / "fedprox" / "seed-0", {"num_server_rounds": 5, "seed": 0})
+    recorder.update(1, global_accuracy=0.1)
+    recorder.write()
+    assert compare.main(["--include", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert "fedprox" not in (out / "comparison.md").read_text()
     with pytest.raises(SystemExit, match="--baseline 'fedprox'"):
         compare.main(["--include", str(tmp_path / "runs"), "--baseline", "fedprox", "--out", str(out)])
 
