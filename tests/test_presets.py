@@ -72,12 +72,13 @@ def test_preset_runs_a_round(path, data_dirs, tmp_path):
     from inprocess import run_in_process
 
     preset = DEFAULTS | parse_config_args([str(path)])
-    # at most 20 clients: the generated files hold about 10,000 images, not CIFAR's 60,000, and
-    # PFLlib's split would find no draw giving 100 clients 40 samples each
-    clients = min(int(federation(path)["num-supernodes"]), 20)
+    # at most 10 clients: the generated files hold about 10,000 images, not CIFAR's 60,000 (PFLlib's
+    # split would find no draw giving 100 clients 40 samples each), and a round stays short
+    clients = min(int(federation(path)["num-supernodes"]), 10)
     preset |= {"data-dir": str(data_dirs / preset["dataset"]), "num-server-rounds": 1, "local-epochs": 1,
                "model": FAST_MODEL.get(preset["model"], preset["model"]), "output-dir": str(tmp_path),
-               "run-name": path.stem, "min-fit-clients": min(preset["min-fit-clients"], clients)}
+               "run-name": path.stem, "min-fit-clients": min(preset["min-fit-clients"], clients),
+               "data-fraction": 1.0}  # the generated set is a tenth of the real one: no further cut
     strategy, messages = run_in_process(preset, num_nodes=clients)
     record = strategy.recorder.rounds[1]
     assert not record.get("dropped"), record["dropped"]
