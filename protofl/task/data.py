@@ -17,7 +17,7 @@ Sources:
 
 Images are float32 N x C x H x W. ``normalisation="half"`` maps every pixel to [-1, 1] (mean 0.5,
 std 0.5 per channel, as PFLlib); ``"dataset"`` uses the data set's own channel statistics, as
-FedNH's and FedSA's code do for CIFAR and Tiny-ImageNet. With ``pool="train+test"`` the official
+FedNH's and FedSKC's code do for CIFAR and Tiny-ImageNet. With ``pool="train+test"`` the official
 train and test sets are merged before partitioning (PFLlib's convention: FedSA, FedCoSR); there is
 then no global test set. With ``test-fraction=0`` a client has no local test split and is scored
 on the whole global test set instead (FedNH's protocol).
