@@ -34,34 +34,6 @@ import native  # noqa: E402
 from compare import machine_description  # noqa: E402
 
 
-def processes_naming(text: str) -> list[int]:
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
-
-
-def descendants(roots: list[int]) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, stack = set(), list(roots)
-    while stack:
-        pid = stack.pop()
-        if pid not in found:
-            found.add(pid)
-            stack.extend(children.get(pid, []))
-    return found
-
-
 def memory_kib(pid: int) -> tuple[int, int]:
     """(RSS, PSS) of a process in KiB; zeros when it is gone."""
     try:
@@ -83,7 +55,7 @@ class MemorySampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.5):
-            pids = descendants(self.roots + processes_naming(self.marker))
+            pids = native.descendants(self.roots + native.pids_with_argument(self.marker))
             totals = [memory_kib(pid) for pid in pids]
             self.peak_rss = max(self.peak_rss, sum(r for r, _ in totals))
             self.peak_pss = max(self.peak_pss, sum(p for _, p in totals))
@@ -92,7 +64,7 @@ class MemorySampler(threading.Thread):
 def kill_everything(marker: str) -> None:
     import signal
 
-    for pid in descendants(processes_naming(marker)):
+    for pid in native.descendants(native.pids_with_argument(marker)):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

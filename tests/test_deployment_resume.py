@@ -10,7 +10,7 @@ import native
 import pytest
 import torch
 from inprocess import run_in_process
-from processes import children_of, kill_trees
+from native import children_of, kill_trees
 from test_hostile_deployment import NUM_NODES, three_node_compose
 from test_resume import assert_same_rounds, wait_for_round
 

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from native import free_port
-from processes import kill_trees, pids_with_argument
+from native import free_port, kill_trees, pids_with_argument
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

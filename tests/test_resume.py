@@ -14,9 +14,14 @@ import numpy as np
 import pytest
 from flwr.app import RecordDict
 from inprocess import run_in_process
-from processes import kill_trees, pids_with_argument
+from native import kill_trees, pids_with_argument
 
-from protofl.federation.checkpoint import CHECKPOINT, Checkpoint, ClientStateStore, open_run
+from protofl.federation.checkpoint import (
+    CHECKPOINT,
+    Checkpoint,
+    ClientStateStore,
+    open_run,
+)
 from protofl.federation.wire import ClassVectors
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
