@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     groups, failed = included_results(args.include), []
+    shared = f"{preset_overrides(args.preset) if args.preset else ''} {args.run_config}"
     for label, overrides in runs:
         for seed in args.seeds or [None]:
             name, directory = (label, out) if seed is None else (f"seed-{seed}", out / label)
             extra = "" if seed is None else f" seed={seed}"
-            shared = f"{preset_overrides(args.preset) if args.preset else ''} {args.run_config}"
             result, wall = run_with_flower(name, f"{shared} {overrides}{extra}", args.federation_config, directory)
             if result is None:
                 failed.append(label if seed is None else f"{label} seed {seed}")

@@ -7,12 +7,13 @@ files back. The results.json schema is documented in README.md ("Results").
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +31,9 @@ ROUND_KEYS = (
     "bytes_down",
     "seconds",
 )
+# the two accuracies a run reports each round: their short names and line styles in plots
+REPEATED_METRICS = {"global_accuracy": "GM", "personalized_accuracy": "PM"}
+CURVE_STYLES = {"global_accuracy": "-", "personalized_accuracy": "--"}
 SUMMARY_KEYS = (
     "global_accuracy",
     "personalized_accuracy",
@@ -183,8 +187,9 @@ def write_csv(rounds: list[dict[str, Any]], path: Path) -> None:
             writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
 
 
-def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
-    """Accuracy per round: GM solid, PM dashed, one colour per run."""
+@contextlib.contextmanager
+def _accuracy_plot(path: Path, ylabel: str) -> Iterator[Any]:
+    """Axes for accuracy per round, labelled and saved to ``path`` (PNG) when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,21 +197,28 @@ def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (label, results) in enumerate(runs.items()):
-        colour = f"C{i % 10}"
-        for key, style, name in (("global_accuracy", "-", "GM"), ("personalized_accuracy", "--", "PM")):
-            points = [(r["round"], r[key]) for r in results["rounds"] if r.get(key) is not None]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, style, color=colour, label=f"{label} {name}")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel("accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        yield ax
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Accuracy per round: GM solid, PM dashed, one colour per run."""
+    with _accuracy_plot(path, "accuracy") as ax:
+        for i, (label, results) in enumerate(runs.items()):
+            for key, style in CURVE_STYLES.items():
+                points = [(r["round"], r[key]) for r in results["rounds"] if r.get(key) is not None]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, style, color=f"C{i % 10}", label=f"{label} {REPEATED_METRICS[key]}")
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -252,7 +264,6 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
 # Repeats: the same run with several training seeds
 # ---------------------------------------------------------------------------------------
 
-REPEATED_METRICS = {"global_accuracy": "GM", "personalized_accuracy": "PM"}
 STATISTICS = {"final": "final", "best": "best", "last10_mean": "last-10"}
 
 
@@ -327,30 +338,18 @@ def differences_table(groups: Mapping[str, Mapping[int, Mapping[str, Any]]], bas
 
 def plot_bands(groups: Mapping[str, Mapping[int, Mapping[str, Any]]], path: Path) -> None:
     """Accuracy per round, mean over seeds with a ± std band: GM solid, PM dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (label, runs) in enumerate(groups.items()):
-        for key, style in (("global_accuracy", "-"), ("personalized_accuracy", "--")):
-            per_round: dict[int, list[float]] = {}
-            for results in runs.values():
-                for r in results["rounds"]:
-                    if r.get(key) is not None:
-                        per_round.setdefault(r["round"], []).append(r[key])
-            if not per_round:
-                continue
-            xs = sorted(per_round)
-            mean = np.array([np.mean(per_round[x]) for x in xs])
-            std = np.array([np.std(per_round[x], ddof=1) if len(per_round[x]) > 1 else 0.0 for x in xs])
-            ax.plot(xs, mean, style, color=f"C{i % 10}", label=f"{label} {REPEATED_METRICS[key]}")
-            ax.fill_between(xs, mean - std, mean + std, color=f"C{i % 10}", alpha=0.15, linewidth=0)
-    ax.set_xlabel("round")
-    ax.set_ylabel("accuracy (mean ± std over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _accuracy_plot(path, "accuracy (mean ± std over seeds)") as ax:
+        for i, (label, runs) in enumerate(groups.items()):
+            for key, style in CURVE_STYLES.items():
+                per_round: dict[int, list[float]] = {}
+                for results in runs.values():
+                    for r in results["rounds"]:
+                        if r.get(key) is not None:
+                            per_round.setdefault(r["round"], []).append(r[key])
+                if not per_round:
+                    continue
+                xs = sorted(per_round)
+                mean = np.array([np.mean(per_round[x]) for x in xs])
+                std = np.array([np.std(per_round[x], ddof=1) if len(per_round[x]) > 1 else 0.0 for x in xs])
+                ax.plot(xs, mean, style, color=f"C{i % 10}", label=f"{label} {REPEATED_METRICS[key]}")
+                ax.fill_between(xs, mean - std, mean + std, color=f"C{i % 10}", alpha=0.15, linewidth=0)
