@@ -1,15 +1,24 @@
 """Development credentials for a TLS deployment with SuperNode authentication.
 
-Writes into ``--out`` (default ``deploy/credentials``):
+Writes into ``--out`` (default ``deploy/credentials``), the files that are deployed:
 
-- ``ca.crt``, ``ca.key``: a self-signed certificate authority (P-384);
+- ``ca.crt``: a self-signed certificate authority (P-384);
 - ``server.pem``, ``server.key``: the SuperLink's certificate, signed by that CA, valid for
   ``localhost``, ``127.0.0.1``, ``::1``, ``superlink`` (the compose service) and every ``--san``;
 - ``supernode-<i>``, ``supernode-<i>.pub`` for i = 1..``--supernodes``: NIST P-384 key pairs in
   OpenSSH format, as ``flower-supernode --auth-supernode-private-key`` and
-  ``flwr supernode register`` read them.
+  ``flwr supernode register`` read them;
+- ``superexec.secret``: a random shared secret with which the ServerApp's SuperExec authenticates
+  to the SuperLink's runtime API (``--superexec-auth-secret-file``, experimental in Flower 1.41);
 
-For development only: the private keys are written unencrypted. Usage:
+and the CA's private key ``ca.key`` into ``--ca-dir`` (default: ``<out>-ca``, e.g.
+``deploy/credentials-ca``, mode 0700), apart from them: no service needs it, and whoever holds it
+can issue certificates that every node trusts. A ``ca.key`` that an older version left in
+``--out`` is removed.
+
+Private keys are created with mode 0600 (never readable under the umask, not even briefly);
+certificates and public keys get 0644. For development only: the private keys are written
+unencrypted. Usage:
 
     python deploy/make_credentials.py --out deploy/credentials --supernodes 2 --san 10.0.0.5
 """
@@ -20,6 +29,7 @@ import argparse
 import datetime
 import ipaddress
 import os
+import secrets
 from pathlib import Path
 
 from cryptography import x509
@@ -62,9 +72,13 @@ def _certificate(subject, public_key, issuer, signing_key, days: int, extensions
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.write_bytes(data)
-    if private:
-        os.chmod(path, 0o600)
+    """Write ``data`` to ``path``, created with its final mode (0600 if ``private``, else 0644);
+    a symbolic link at ``path`` is refused, not followed."""
+    mode = 0o600 if private else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), mode)
+    with os.fdopen(fd, "wb") as handle:
+        os.fchmod(fd, mode)  # O_CREAT's mode applies to a new file only (and is narrowed by the umask)
+        handle.write(data)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -72,9 +86,20 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_credentials(out: Path, sans: list[str], supernodes: int, days: int = 365) -> list[Path]:
-    """Write the CA, the SuperLink certificate and ``supernodes`` key pairs; return the paths."""
+def make_credentials(
+    out: Path, sans: list[str], supernodes: int, days: int = 365, ca_dir: Path | None = None
+) -> list[Path]:
+    """Write the CA, the SuperLink certificate and ``supernodes`` key pairs; return the paths.
+
+    ``ca.key`` goes to ``ca_dir`` (default ``<out>-ca``), everything else to ``out``."""
+    base = out if out.name else out.resolve()  # "." has no name to extend
+    ca_dir = ca_dir if ca_dir is not None else base.with_name(base.name + "-ca")
+    if out.resolve() in (ca_dir.resolve(), *ca_dir.resolve().parents):
+        raise ValueError("the CA key must be kept apart from the deployed files: ca_dir must lie outside out")
     out.mkdir(parents=True, exist_ok=True)
+    ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(ca_dir, 0o700)  # also when it existed
+    (out / "ca.key").unlink(missing_ok=True)  # an older version wrote it among the deployed files
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = _name("protofl development CA")
     ca_cert = _certificate(ca_name, ca_key.public_key(), ca_name, ca_key, days, [
@@ -89,7 +114,7 @@ def make_credentials(out: Path, sans: list[str], supernodes: int, days: int = 36
         (_subject_alternative_names([*DEFAULT_SANS, *sans]), False),
         (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False),
     ])
-    written = [out / "ca.crt", out / "ca.key", out / "server.pem", out / "server.key"]
+    written = [out / "ca.crt", ca_dir / "ca.key", out / "server.pem", out / "server.key"]
     _write(written[0], ca_cert.public_bytes(serialization.Encoding.PEM))
     _write(written[1], _pem_key(ca_key), private=True)
     _write(written[2], server_cert.public_bytes(serialization.Encoding.PEM))
@@ -102,18 +127,22 @@ def make_credentials(out: Path, sans: list[str], supernodes: int, days: int = 36
         _write(public, node_key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                           serialization.PublicFormat.OpenSSH) + b"\n")
         written += [private, public]
+    written.append(out / "superexec.secret")
+    _write(written[-1], secrets.token_hex(32).encode(), private=True)
     return written
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "credentials")
+    parser.add_argument("--ca-dir", type=Path, default=None,
+                        help="where the CA's private key goes, apart from --out (default: <out>-ca)")
     parser.add_argument("--san", action="append", default=[],
                         help="another host name or IP address of the SuperLink (repeatable)")
     parser.add_argument("--supernodes", type=int, default=2, help="how many SuperNode key pairs")
     parser.add_argument("--days", type=int, default=365, help="certificate validity")
     args = parser.parse_args()
-    for path in make_credentials(args.out, args.san, args.supernodes, args.days):
+    for path in make_credentials(args.out, args.san, args.supernodes, args.days, args.ca_dir):
         print(path)
 
 

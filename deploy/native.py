@@ -44,14 +44,20 @@ def _merge(base: Any, override: Any, key: str = "") -> Any:
 
 
 def _interpolate(value: Any, environ: Mapping[str, str]) -> Any:
-    """Compose's ``${NAME}`` / ``${NAME:-default}`` substitution in every string."""
+    """Compose's ``${NAME}``, ``${NAME:-default}`` (unset or empty) and ``${NAME-default}`` (unset)
+    substitution in every string."""
     if isinstance(value, dict):
         return {key: _interpolate(item, environ) for key, item in value.items()}
     if isinstance(value, list):
         return [_interpolate(item, environ) for item in value]
     if isinstance(value, str):
-        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
-                      lambda m: environ.get(m.group(1)) or (m.group(2) or ""), value)
+        def substitute(match: re.Match) -> str:
+            name, operator, default = match.groups()
+            if operator == ":-":
+                return environ.get(name) or default
+            return environ.get(name, default or "")
+
+        return re.sub(r"\$\{(\w+)(?:(:?-)([^}]*))?\}", substitute, value)
     return value
 
 
@@ -70,7 +76,7 @@ def entry_point(service: dict[str, Any]) -> str:
     image, target = str(service.get("image", "")), service.get("build", {}).get("target")
     if target == "superlink" or image.startswith("flwr/superlink"):
         return "flower-superlink"
-    if image.startswith("flwr/supernode"):
+    if target == "supernode" or image.startswith("flwr/supernode"):
         return "flower-supernode"
     if target == "app" or image.startswith("flwr/superexec"):
         return "flower-superexec"
@@ -203,6 +209,18 @@ def cli_home(directory: Path, address: str, root_certificates: Path | None = Non
         f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "{address}"\n{security}\n'
     )
     return directory
+
+
+def check_fedproto_results(results: dict[str, Any], num_nodes: int) -> None:
+    """Raise AssertionError unless ``results`` (results.json) is a 2-round FedProto run on digits in
+    which all ``num_nodes`` clients trained and exchanged prototypes, and the personal models learnt."""
+    first, second = results["rounds"]
+    assert [first["round"], second["round"]] == [1, 2], results["rounds"]
+    assert first["clients"] == second["clients"] == list(range(num_nodes)), (first["clients"], second["clients"])
+    prototypes_and_mask = 10 * 512 * 4 + 10 + 2 * 128  # float32 C x d prototypes, bool mask, .npy headers
+    assert first["bytes_down"] == 0 and second["bytes_down"] == num_nodes * prototypes_and_mask
+    assert second["bytes_up"] > num_nodes * 10 * 512 * 4  # each client's prototypes went up
+    assert second["personalized_accuracy"] > 0.5, second["personalized_accuracy"]
 
 
 # --- processes: find and kill what a test or benchmark started (by PID, whole trees) -----

@@ -31,7 +31,7 @@ from flwr.common import Context
 from protofl.federation.checkpoint import ClientStateStore
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
-from protofl.task.data import ClientData, cached_on_disk, load_client_data, load_local_client_data
+from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
 from protofl.task.train import get_device
 
 
@@ -74,10 +74,12 @@ def node_data(settings: ExperimentSettings, node_config: Mapping[str, Any], devi
         return loader(settings.dataset, data_dir, spec, partition_id, device)
 
     cache_dir = str(node_config.get("cache-dir", ""))
-    if not cache_dir:
+    if not cache_dir or settings.dataset not in DATASETS:  # an unknown data set: the loader says so
         return load()
     key = (settings.dataset, data_dir, bool(local_dir), spec, partition_id)
-    return cached_on_disk(cache_dir, key, data_dir, load, device)
+    # what this node knows its data to be: the cache file must agree
+    return cached_on_disk(cache_dir, key, data_dir, load, device, partition_id=partition_id,
+                          num_classes=DATASETS[settings.dataset][0])
 
 
 app = ClientApp(client_fn=make_client_fn())

@@ -1,6 +1,7 @@
 """docker-compose.yml and its variants: they parse, every flag they pass exists in the installed
-Flower binaries, and the topology is consistent (Docker itself cannot run here; the same command
-lines run natively in test_deployment.py)."""
+Flower binaries, the topology is consistent, and they publish and mount no more than they must.
+deploy/compose_e2e.sh builds and runs them for real (in CI); test_deployment.py runs the same
+command lines natively."""
 
 import functools
 import re
@@ -76,7 +77,8 @@ def test_topology_each_supernode_has_its_partition_and_its_clientapp(variant):
         assert option(clientapp, "--runtime-api-address") == f"{name}:{option(command, '--port')}"
     assert sorted(partition_ids) == list(range(len(nodes)))
     superlink = compose["services"]["superlink"]
-    assert option(superlink["command"], "--port") == "8000" and "8000:8000" in superlink["ports"]
+    assert option(superlink["command"], "--port") == "8000"
+    assert "127.0.0.1:8000:8000" in superlink["ports"]  # the operator's flwr CLI, on this host
     assert option(superlink["command"], "--database").startswith("state/")
     assert "superlink-state:/app/state" in superlink["volumes"]  # state survives the container
     assert option(compose["services"]["superexec-serverapp"]["command"], "--runtime-api-address") == "superlink:8000"
@@ -91,7 +93,8 @@ def test_tls_variants_use_mounted_credentials_and_never_insecure(variant):
         assert "--insecure" not in service["command"], name
         mounts = [volume.split(":")[1] for volume in service.get("volumes", [])]
         for path in (token for token in service["command"] if token.startswith("credentials/")):
-            assert Path(path).name in CREDENTIAL_FILES or re.fullmatch(r"supernode-\d+", Path(path).name)
+            assert Path(path).name in {*CREDENTIAL_FILES, "superexec.secret"} or re.fullmatch(r"supernode-\d+",
+                                                                                          Path(path).name)
             assert any(f"/app/{path}" == m or f"/app/{path}".startswith(m + "/") for m in mounts), (name, path)
     superlink = compose["services"]["superlink"]["command"]
     assert {option(superlink, f) for f in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile")} == {
@@ -100,9 +103,61 @@ def test_tls_variants_use_mounted_credentials_and_never_insecure(variant):
         assert option(compose["services"][name]["command"], "--root-certificates") == "credentials/ca.crt"
 
 
+def published(service) -> list[tuple[str, str, str]]:
+    """(host address, host port, container port) of each ``ports`` entry."""
+    entries = []
+    for entry in service.get("ports", []):
+        parts = str(entry).rsplit(":", 2)
+        assert len(parts) == 3, f"{entry!r} publishes on every interface without saying so"
+        entries.append(tuple(parts))
+    return entries
+
+
+@pytest.mark.parametrize("variant", [(), ("tls",), ("gpu",)], ids=lambda v: "+".join(v) or "base")
+def test_without_supernode_auth_only_loopback_is_published(variant):
+    """Whoever reaches the SuperLink can start runs, i.e. run code in every container: without TLS and
+    SuperNode authentication its port is reachable from this host only, and nothing else is published."""
+    for name, service in native.load_compose(*variant, environ={})["services"].items():
+        ports = published(service)
+        if name != "superlink":
+            assert not ports, name
+        else:
+            assert ports and {address for address, _, _ in ports} == {"127.0.0.1"}
+
+
+def test_only_the_auth_variant_publishes_beyond_loopback_and_where_is_chosen():
+    ports = published(native.load_compose("tls", "auth", environ={})["services"]["superlink"])
+    assert ("127.0.0.1", "8000", "8000") in ports and ("0.0.0.0", "9443", "8000") in ports
+    chosen = native.load_compose("tls", "auth", environ={"SUPERLINK_PUBLIC_ADDRESS": "10.0.0.5",
+                                                          "SUPERLINK_PUBLIC_PORT": "443", "SUPERLINK_PORT": "18000"})
+    assert published(chosen["services"]["superlink"]) == [("127.0.0.1", "18000", "8000"), ("10.0.0.5", "443", "8000")]
+
+
+@pytest.mark.parametrize("variant", [("tls",), ("tls", "auth")], ids="+".join)
+def test_each_container_mounts_only_the_credentials_it_needs(variant):
+    """No directory of credentials is mounted, the CA key nowhere, a SuperNode's key only into that SuperNode."""
+    needs = {"superlink": {"ca.crt", "server.pem", "server.key"}, "superexec-serverapp": {"ca.crt"}}
+    compose = native.load_compose(*variant, environ={"CREDENTIALS_DIR": "/creds"})
+    for name, service in compose["services"].items():
+        mounted = {}
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if source.startswith("/creds"):
+                assert Path(source).name == Path(target).name and volume.endswith(":ro"), volume
+                mounted[Path(source).name] = target
+        expected = needs.get(name, set()) | ({"superexec.secret"} if "auth" in variant and name in needs else set())
+        if name.startswith("supernode-"):
+            expected = {"ca.crt"} | ({name} if "auth" in variant else set())
+        assert set(mounted) == expected, name
+        assert all(target == f"/app/credentials/{file}" for file, target in mounted.items())
+
+
 def test_auth_variant_gives_each_supernode_its_own_key():
     compose = native.load_compose("tls", "auth")
     assert "--enable-supernode-auth" in compose["services"]["superlink"]["command"]
+    for name in ("superlink", "superexec-serverapp"):  # the exposed runtime API wants the ServerApp's secret
+        assert option(compose["services"][name]["command"], "--superexec-auth-secret-file") == \
+            "credentials/superexec.secret"
     commands = [compose["services"][name]["command"] for name in supernodes(compose)]
     keys = [option(command, "--auth-supernode-private-key") for command in commands]
     assert keys == [f"credentials/supernode-{i}" for i in range(1, len(keys) + 1)]
@@ -141,9 +196,15 @@ def test_build_context_holds_only_what_the_dockerfile_copies():
 def test_variables_are_substituted_as_compose_does():
     defaults = native.load_compose(environ={})
     default_version = re.search(r"FLWR_VERSION:-([0-9.]+)", (ROOT / "docker-compose.yml").read_text()).group(1)
-    assert defaults["services"]["supernode-1"]["image"] == f"flwr/supernode:{default_version}"
+    assert defaults["services"]["supernode-1"]["image"] == f"protofl-supernode:{default_version}"
+    args = defaults["services"]["superexec-serverapp"]["build"]["args"]
+    assert args["FLOWER_IMAGES"] == "flwr" and args["TORCH_INDEX_URL"].endswith("/whl/cpu")  # Docker Hub, CPU torch
     node_config = option(defaults["services"]["supernode-1"]["command"], "--node-config")
     assert "num-threads=1" in node_config.split()  # one torch thread per ClientApp unless told
     chosen = native.load_compose(environ={"CLIENT_THREADS": "4", "FLWR_VERSION": "1.41.1"})
     assert "num-threads=4" in option(chosen["services"]["supernode-2"]["command"], "--node-config").split()
     assert chosen["services"]["superexec-serverapp"]["build"]["args"]["FLWR_VERSION"] == "1.41.1"
+    local = native.load_compose(environ={"FLOWER_IMAGES": "protofl-local", "TORCH_INDEX_URL": ""})
+    for name in ("superlink", "supernode-1", "superexec-clientapp-1"):
+        assert local["services"][name]["build"]["args"]["FLOWER_IMAGES"] == "protofl-local", name
+    assert local["services"]["superexec-clientapp-1"]["build"]["args"]["TORCH_INDEX_URL"] == ""  # PyPI's torch

@@ -4,6 +4,8 @@ import gzip
 import os
 import pickle
 import struct
+import time
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
@@ -224,6 +226,134 @@ def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, mon
 
 def torch_equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
+@pytest.fixture
+def cached_node(tmp_path, monkeypatch):
+    """A digits node with a cache: ``get()`` is its data, ``loads`` counts the loads, ``path()``
+    is its cache file; the first load has written it."""
+    from protofl.client_app import node_data
+    from protofl.settings import ExperimentSettings
+
+    loads = []
+
+    def counting(*args):
+        data.load_client_data.cache_clear()  # a load, not the process's in-memory copy
+        loads.append(args)
+        return data.load_client_data(*args)
+
+    monkeypatch.setattr("protofl.client_app.load_client_data", counting)
+    config = ExperimentSettings.from_run_config({"dataset": "digits", "partition": "iid"})
+    node = {"partition-id": 1, "num-partitions": 3, "cache-dir": str(tmp_path / "cache")}
+
+    def path():
+        (file,) = (tmp_path / "cache").glob("client-data-*.npz")
+        return file
+
+    fresh = node_data(config, node, "cpu")
+    assert len(loads) == 1
+    return SimpleNamespace(fresh=fresh, loads=loads, path=path, get=lambda: node_data(config, node, "cpu"))
+
+
+def test_node_cache_is_private_to_its_user(tmp_path):
+    from protofl.client_app import node_data
+    from protofl.settings import ExperimentSettings
+
+    config = ExperimentSettings.from_run_config({"dataset": "digits", "partition": "iid"})
+    previous = os.umask(0)  # whatever the node's umask, the training data is not shared
+    try:
+        node_data(config, {"partition-id": 0, "num-partitions": 3, "cache-dir": str(tmp_path / "a" / "b")}, "cpu")
+    finally:
+        os.umask(previous)
+    (file,) = (tmp_path / "a" / "b").glob("client-data-*.npz")
+    assert os.stat(tmp_path / "a" / "b").st_mode & 0o777 == 0o700 and os.stat(file).st_mode & 0o777 == 0o600
+
+
+def _rewrite(path, change):
+    with np.load(path, allow_pickle=False) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    change(arrays)
+    with open(path, "wb") as handle:  # np.savez, not through the cache's own writer
+        np.savez(handle, **arrays)
+
+
+def _set(name, value):
+    return lambda arrays: arrays.__setitem__(name, value(arrays[name]))
+
+
+def _poke(name, index, value):
+    def change(arrays):
+        arrays[name] = arrays[name].copy()
+        arrays[name][index] = value
+    return change
+
+
+CORRUPTIONS = {
+    "images-float64": _set("train_x", lambda x: x.astype(np.float64)),
+    "labels-int32": _set("train_y", lambda y: y.astype(np.int32)),
+    "labels-float": _set("test_y", lambda y: y.astype(np.float32)),
+    "images-3d": _set("train_x", lambda x: x[:, 0]),
+    "labels-2d": _set("train_y", lambda y: y[:, None]),
+    "lengths-differ": _set("train_y", lambda y: y[:-1]),
+    "test-shape-differs": _set("test_x", lambda x: np.ascontiguousarray(x[:, :, :8, :8])),
+    "label-too-large": _poke("train_y", 0, 10),
+    "label-negative": _poke("test_y", 0, -1),
+    "nan": _poke("train_x", (0, 0, 0, 0), np.nan),
+    "inf": _poke("test_x", (0, 0, 1, 1), -np.inf),
+    "partition-id": _set("partition_id", lambda p: np.asarray(0)),
+    "num-classes": _set("num_classes", lambda c: np.asarray(47)),
+    "partition-id-not-a-scalar": _set("partition_id", lambda p: np.asarray([1])),
+    "missing-array": lambda arrays: arrays.pop("test_y"),
+    "extra-array": lambda arrays: arrays.__setitem__("extra", np.zeros(3)),
+    "pickled-object-array": _set("train_y", lambda y: np.array(list(y), dtype=object)),
+}
+
+
+def _save_npy(path, array):
+    with open(path, "wb") as handle:  # np.save(path) would add ".npy" to the name
+        np.save(handle, array)
+
+
+BROKEN_FILES = {
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]),
+    "garbage": lambda path: path.write_bytes(RNG.integers(0, 256, 4096, dtype=np.uint8).tobytes()),
+    "empty": lambda path: path.write_bytes(b""),
+    "zip-of-junk": lambda path: path.write_bytes(b"PK\x03\x04" + b"\0" * 100),
+    "npy-not-npz": lambda path: _save_npy(path, np.zeros(3)),
+    "pickle": lambda path: path.write_bytes(pickle.dumps({"train_x": np.zeros(3)})),
+}
+
+
+@pytest.mark.parametrize("damage", [*CORRUPTIONS, *BROKEN_FILES])
+def test_node_cache_rejects_a_bad_file_and_loads_the_data_again(cached_node, damage, caplog):
+    path = cached_node.path()
+    if damage in CORRUPTIONS:
+        _rewrite(path, CORRUPTIONS[damage])
+    else:
+        BROKEN_FILES[damage](path)
+    again = cached_node.get()  # never an exception, never the file's data
+    assert len(cached_node.loads) == 2, "the bad file was used instead of loading the data again"
+    for name in ("train_x", "train_y", "test_x", "test_y"):
+        assert torch_equal(getattr(again, name), getattr(cached_node.fresh, name)), name
+    assert (again.partition_id, again.num_classes) == (1, 10)
+    assert "node cache" in caplog.text and str(path.name) in caplog.text
+    cached_node.get()  # written again, and good: no third load
+    assert len(cached_node.loads) == 2
+
+
+def test_node_cache_removes_only_its_own_stale_partial_writes(tmp_path, cached_node):
+    cache = tmp_path / "cache"
+    cached_node.path().unlink()  # a miss: the next call writes
+    hour_ago = time.time() - 3700
+    stale = cache / ".client-data-0123456789abcdef01234567.npz.k3j_x9q2.tmp"  # atomic_write's name, after kill -9
+    fresh = cache / ".client-data-0123456789abcdef01234567.npz.a8b7c6d5.tmp"  # maybe another process's, now
+    others = [cache / ".results.json.k3j_x9q2.tmp", cache / "notes.tmp", cache / "client-data-x.npz.tmp"]
+    for path in [stale, fresh, *others]:
+        path.write_bytes(b"partial")
+    for path in [stale, *others]:
+        os.utime(path, (hour_ago, hour_ago))
+    cached_node.get()
+    assert not stale.exists() and fresh.exists() and all(path.exists() for path in others)
 
 
 @pytest.mark.parametrize("layout", ["", "gzip", "EMNIST/raw"])

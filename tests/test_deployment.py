@@ -1,6 +1,6 @@
 """Real SuperLink, SuperNode and SuperExec processes, started with docker-compose.yml's own command
-lines (Docker cannot run here), each in its own directory and Flower home, then `flwr run` of a
-2-round FedProto run on digits. Loopback only, except for the network-namespace test, whose
+lines (deploy/compose_e2e.sh runs them in Docker), each in its own directory and Flower home, then
+`flwr run` of a 2-round FedProto run on digits. Loopback only, except for the network-namespace test, whose
 addresses live on a bridge it creates and removes. Every process is killed by process group.
 """
 
@@ -29,16 +29,6 @@ def _run_fedproto(tmp_path, cli_home, name):
     return json.loads((tmp_path / name / "results.json").read_text())
 
 
-def _assert_prototypes_exchanged(results):
-    first, second = results["rounds"]
-    assert [first["round"], second["round"]] == [1, 2]
-    assert first["clients"] == second["clients"] == list(range(NUM_NODES))
-    prototypes_and_mask = 10 * 512 * 4 + 10 + 2 * 128  # float32 C x d prototypes, bool mask, .npy headers
-    assert first["bytes_down"] == 0 and second["bytes_down"] == NUM_NODES * prototypes_and_mask
-    assert second["bytes_up"] > NUM_NODES * 10 * 512 * 4  # each client's prototypes went up
-    assert second["personalized_accuracy"] > 0.5
-
-
 @pytest.fixture
 def deployment(tmp_path):
     started = native.NativeDeployment(tmp_path / "services", native.environment(), credentials=tmp_path / "credentials")
@@ -54,7 +44,7 @@ def test_insecure_deployment_runs_fedproto(tmp_path, deployment):
     nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
     native.start_federation(deployment, compose, link, nodes)
     results = _run_fedproto(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "insecure")
-    _assert_prototypes_exchanged(results)
+    native.check_fedproto_results(results, NUM_NODES)
     for i in range(1, NUM_NODES + 1):  # each node kept its data for the next message's process
         home = deployment.workdir / f"superexec-clientapp-{i}"
         assert len(list((home / ".cache" / "protofl").glob("client-data-*.npz"))) == 1
@@ -95,7 +85,7 @@ def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployme
     assert "Failed to activate SuperNode" in deployment.log("stranger")
 
     results = _run_fedproto(tmp_path, cli_home, "tls")
-    _assert_prototypes_exchanged(results)  # the two registered nodes, and only they, trained
+    native.check_fedproto_results(results, NUM_NODES)  # the two registered nodes, and only they, trained
     for i in range(1, NUM_NODES + 1):
         assert deployment.processes[f"supernode-{i}"].poll() is None  # still serving
 
@@ -159,7 +149,7 @@ def test_supernodes_in_their_own_network_namespaces(tmp_path, network, deploymen
     before = [network.traffic_bytes(veth) for veth in network.veths]
     native.start_federation(deployment, compose, link, nodes)
     results = _run_fedproto(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "netns")
-    _assert_prototypes_exchanged(results)
+    native.check_fedproto_results(results, NUM_NODES)
     for veth, start in zip(network.veths, before):
         crossed = network.traffic_bytes(veth) - start
         assert crossed > 2 * 10 * 512 * 4, f"{veth}: only {crossed} bytes crossed the interface"

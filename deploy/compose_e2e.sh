@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The docker compose demo, built and run for real: the insecure demo, then the TLS + SuperNode
+# authentication variant, each a 2-round FedProto run on digits with 2 SuperNodes, its results.json
+# and the containers' logs checked. Run as root from a checkout set up with ./setup.sh:
+#
+#   deploy/compose_e2e.sh
+#
+# What it needs it installs or starts, and what it started it stops: Debian's docker.io and
+# docker-compose (v1) and debootstrap with apt-get if missing, and dockerd if none runs. Images are
+# kept, so a second run reuses their layers. Settings (environment):
+#   FLOWER_IMAGES  "protofl-local" (default): Flower's images rebuilt from a debootstrapped Debian
+#                  (deploy/base.Dockerfile), for hosts that reach no image registry; "flwr": Docker Hub.
+#   BUILD_CA       a CA bundle that image builds trust, e.g. /etc/ssl/certs/ca-certificates.crt where
+#                  HTTPS goes through a proxy with its own CA (copied into deploy/build/ for the
+#                  builds, removed afterwards).
+#   TORCH_INDEX_URL  where the app image's torch comes from (default PyTorch's CPU wheels; empty: PyPI).
+#   DEBIAN_MIRROR  for debootstrap (default http://deb.debian.org/debian).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export FLOWER_IMAGES=${FLOWER_IMAGES:-protofl-local}
+export FLWR_VERSION=${FLWR_VERSION:-1.41.0}
+python=${PYTHON:-$PWD/.venv/bin/python}
+work=$(mktemp -d)
+chmod 755 "$work"  # the containers' user reads the credentials below it
+project=protofl-e2e-$$
+compose_files=()
+dockerd_pid=
+
+log() { echo "[compose-e2e $(date +%H:%M:%S)] $*"; }
+
+compose() { docker-compose --project-name "$project" "${compose_files[@]}" "$@"; }
+
+down() {
+  [ ${#compose_files[@]} -gt 0 ] || return 0
+  compose logs --no-color >"$work/$1.log" 2>&1 || true
+  compose down --volumes --remove-orphans >/dev/null 2>&1 || true
+}
+
+cleanup() {
+  status=$?
+  down last
+  [ $status -eq 0 ] || { log "failed; the containers' logs:"; tail -n 60 "$work"/*.log 2>/dev/null || true; }
+  rm -f deploy/build/compose-e2e-ca.crt
+  if [ -n "$dockerd_pid" ]; then
+    log "stopping the dockerd this script started ($dockerd_pid)"
+    kill "$dockerd_pid" 2>/dev/null || true
+    for _ in $(seq 60); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+    kill -9 "$dockerd_pid" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+  exit $status
+}
+trap cleanup EXIT
+
+[ "$(id -u)" -eq 0 ] || { echo "compose_e2e.sh needs root (apt-get, dockerd)" >&2; exit 2; }
+
+missing=()
+command -v dockerd >/dev/null || missing+=(docker.io)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+[ "$FLOWER_IMAGES" = flwr ] || command -v debootstrap >/dev/null || missing+=(debootstrap)
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ! docker info >/dev/null 2>&1; then
+  log "starting dockerd"
+  dockerd >"$work/dockerd.log" 2>&1 &
+  dockerd_pid=$!
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null || { cat "$work/dockerd.log"; exit 1; }
+fi
+
+if [ -n "${BUILD_CA:-}" ]; then
+  cp "$BUILD_CA" deploy/build/compose-e2e-ca.crt
+fi
+
+if [ "$FLOWER_IMAGES" != flwr ] && ! docker image inspect "$FLOWER_IMAGES/superexec:$FLWR_VERSION" >/dev/null 2>&1; then
+  if ! docker image inspect protofl-debian:bookworm >/dev/null 2>&1; then
+    log "debootstrap: a minimal Debian bookworm, imported as protofl-debian:bookworm"
+    debootstrap --variant=minbase bookworm "$work/rootfs" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" \
+      >"$work/debootstrap.log" 2>&1 || { tail -n 20 "$work/debootstrap.log"; exit 1; }
+    tar -C "$work/rootfs" -c . | docker import - protofl-debian:bookworm >/dev/null
+    rm -rf "$work/rootfs"
+  fi
+  log "building Flower $FLWR_VERSION's images from it ($FLOWER_IMAGES/*)"
+  docker build --quiet -f deploy/base.Dockerfile --build-arg DEBIAN_IMAGE=protofl-debian:bookworm \
+    --build-arg FLWR_VERSION="$FLWR_VERSION" -t "$FLOWER_IMAGES/flower:$FLWR_VERSION" . >/dev/null
+  for component in superlink supernode superexec; do
+    docker tag "$FLOWER_IMAGES/flower:$FLWR_VERSION" "$FLOWER_IMAGES/$component:$FLWR_VERSION"
+  done
+fi
+
+export SUPERLINK_PORT=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+export SUPERLINK_PUBLIC_ADDRESS=127.0.0.1 SUPERLINK_PUBLIC_PORT=$((SUPERLINK_PORT + 1))
+export CREDENTIALS_DIR=$work/credentials
+flwr_side() {  # flwr_side register|run <variant> [args]: deploy/compose_e2e.py against the published port
+  local action=$1 variant=$2
+  shift 2
+  "$python" deploy/compose_e2e.py "$action" --port "$SUPERLINK_PORT" --home "$work/$variant-home" \
+    ${tls:+--root-certificates "$CREDENTIALS_DIR/ca.crt"} "$@"
+}
+tls=
+
+log "insecure demo: build and start"
+compose_files=(-f docker-compose.yml)
+compose build --quiet
+compose up -d
+flwr_side run insecure --name insecure --compose "docker-compose --project-name $project ${compose_files[*]}"
+down insecure
+
+log "TLS + SuperNode authentication: credentials, the SuperLink, key registration, the rest"
+"$python" deploy/make_credentials.py --out "$CREDENTIALS_DIR" --supernodes 2 >/dev/null
+chown -R 49999:49999 "$CREDENTIALS_DIR"  # the images' user; the CA key is elsewhere ($CREDENTIALS_DIR-ca)
+compose_files=(-f docker-compose.yml -f deploy/compose.tls.yml -f deploy/compose.auth.yml)
+tls=1
+compose up -d superlink
+flwr_side register tls --keys "$CREDENTIALS_DIR"/supernode-1.pub "$CREDENTIALS_DIR"/supernode-2.pub
+compose up -d
+flwr_side run tls --name tls --compose "docker-compose --project-name $project ${compose_files[*]}"
+down tls
+log "passed"
