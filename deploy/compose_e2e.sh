@@ -92,7 +92,7 @@ if [ "$FLOWER_IMAGES" != flwr ] && ! docker image inspect "$FLOWER_IMAGES/supere
   done
 fi
 
-export SUPERLINK_PORT=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+export SUPERLINK_PORT=$(cd deploy && "$python" -c "import native; print(native.free_port())")
 export SUPERLINK_PUBLIC_ADDRESS=127.0.0.1 SUPERLINK_PUBLIC_PORT=$((SUPERLINK_PORT + 1))
 export CREDENTIALS_DIR=$work/credentials
 flwr_side() {  # flwr_side register|run <variant> [args]: deploy/compose_e2e.py against the published port
