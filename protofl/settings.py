@@ -29,6 +29,10 @@ from protofl.task.robust import RobustRule
 from protofl.task.train import BatchNormStats, PartialBatch
 
 EvaluateClients = Literal["sampled", "all"]
+# where clients score a round's model: in the next round's fit message, before training (one message
+# per client and round; the last round's, and every round's with fraction-fit < 1, in an evaluate
+# message), or in an evaluate message after each evaluated round
+EvaluationMessage = Literal["fit", "evaluate"]
 Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval.
@@ -160,6 +164,7 @@ class ExperimentSettings:
     min_fit_clients: int = 2
     round_timeout: float = 0.0
     evaluate_clients: EvaluateClients = "sampled"
+    evaluation_message: EvaluationMessage = "fit"
     eval_every: int = 1
     local_epochs: int = 2
     batch_size: int = 10
@@ -183,7 +188,7 @@ class ExperimentSettings:
     dp_clip: float = 0.0
     dp_noise: float = 0.0
     dp_delta: float = 1e-5
-    global_test_pm: bool = True
+    global_test_pm: bool = False
     global_test_pm_per_class: int = 0
     output_dir: str = "~/protofl-runs"
     run_name: str = ""
@@ -268,6 +273,13 @@ class ExperimentSettings:
     def is_eval_round(self, server_round: int) -> bool:
         """Evaluate every `eval-every` rounds, and always in the last round."""
         return server_round % self.eval_every == 0 or server_round == self.num_server_rounds
+
+    def evaluates_in_next_fit(self, server_round: int) -> bool:
+        """Whether the clients score this eval round's model in the next round's fit message:
+        ``evaluation-message="fit"``, not the last round, and every client trains in every round
+        (``fraction-fit=1``), so that the next round's fit message reaches the very clients the
+        evaluate message would (with fewer, the two rounds' samples differ)."""
+        return self.evaluation_message == "fit" and server_round < self.num_server_rounds and self.fraction_fit == 1.0
 
     def run_directory(self) -> Path:
         """Absolute directory for this run's results."""

@@ -183,7 +183,8 @@ def test_global_test_pm_reads_the_nodes_data_dir_not_the_servers(tmp_path):
     for prefix, n in (("train", 60), ("t10k", 20)):
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
         write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
-    run_config = {"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"), "partition": "iid"}
+    run_config = {"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"), "partition": "iid",
+                  "global-test-pm": True}
     node_config = {"partition-id": 0, "num-partitions": 2, "data-dir": str(tmp_path)}
     context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config=run_config)
     client = make_client_fn()(context).numpy_client

@@ -1,5 +1,6 @@
 """FedNH: prototype init and update on hand-checked numbers, the frozen cosine head, the strategy."""
 
+import dataclasses
 import io
 import json
 
@@ -104,6 +105,7 @@ def test_learnable_scale_is_trained_and_sent_with_the_body():
 
 def test_client_uploads_normalised_class_means_and_evaluates_its_trained_model():
     config, model, data = model_and_data()
+    config = dataclasses.replace(config, global_test_pm=True)
     state = RecordDict()
     client = FedNHClient(config, data, model, 4, state)
     initial = get_weights(model)

@@ -166,7 +166,7 @@ def test_fedsc_strategy_builds_and_sends_its_prototypes_in_the_fit_config_only(t
     np.testing.assert_allclose(aggregated, 2 * weights[0], rtol=1e-6)
     fit = strategy.round_configs(2, [0])[0]
     assert RELATIONAL_PROTOTYPES in fit
-    evaluate = strategy.configure_evaluate(2, parameters, None)
+    evaluate = strategy.configure_evaluate(strategy.settings.num_server_rounds, parameters, None)  # its own message
     assert RELATIONAL_PROTOTYPES not in evaluate[0][1].config
 
 

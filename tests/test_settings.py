@@ -161,7 +161,7 @@ def test_the_split_follows_partition_seed_not_the_training_seed():
 
 @pytest.mark.parametrize("values, message", [
     ({"test-fraction": 0.0, "global-test-pm-per-class": 100}, "whole global test set"),
-    ({"pool": "train+test"}, "no global test set"),
+    ({"pool": "train+test", "global-test-pm": True}, "no global test set"),
     ({"pool": "train+test", "global-test-pm": False, "test-fraction": 0.0}, "whole global test set"),
     ({"test-fraction": 1.0}, r"in \[0, 1\)"),
 ])

@@ -1,6 +1,7 @@
 """The client template: a Flower ``NumPyClient`` that a method fills in with hooks.
 
-``fit``: ``receive`` (the model to train from, what the server sent) -> the one call to
+``fit``: (when the config names an ``evaluate-round``: the previous round's evaluation first, as
+``evaluate`` would have done it) -> ``receive`` (the model to train from, what the server sent) -> the one call to
 :func:`protofl.task.train.train`, with ``batch_loss`` added to the cross-entropy of every
 mini-batch -> BatchNorm statistics recomputed on the training split (``batchnorm-stats``) ->
 ``local_statistics`` (per-class means of ``prototype_vectors`` and the class counts,
@@ -31,6 +32,8 @@ from flwr.common import Scalar
 from protofl.federation.checkpoint import ClientStateStore
 from protofl.federation.wire import (
     CORRECT,
+    EVALUATE_ROUND,
+    EVALUATED,
     GLOBAL_PROTOTYPES,
     NUM_PARTITIONS,
     NUM_TEST,
@@ -151,6 +154,7 @@ class PrototypeClient(NumPyClient):
         return self.shared_arrays()
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
+        evaluated = self.evaluate_before_training(parameters, config) if EVALUATE_ROUND in config else {}
         self.loss_parts = {}
         self._use_state_of(config, server_round(config))  # as it was before this round
         self.receive(parameters, config)
@@ -161,7 +165,7 @@ class PrototypeClient(NumPyClient):
         )
         if self.recompute_batchnorm():
             recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed))
-        metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)}
+        metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)} | evaluated
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
         if statistics is not None and self.settings.dp_noise > 0:
             statistics = self.privatize(statistics)
@@ -179,7 +183,26 @@ class PrototypeClient(NumPyClient):
         self.prepare_evaluation(parameters, config)
         return self.score(self.predictors())
 
+    def evaluate_before_training(self, parameters: list[np.ndarray], config: Mapping[str, Scalar]) -> dict[str, Scalar]:
+        """What :meth:`evaluate` would have replied for the previous round, as ``EVALUATED`` fit
+        metrics: the same state and model (the state before this round is the one the previous
+        round's fit left), scored before training; the model is then put back as it was."""
+        self._use_state_of(config, server_round(config))
+        untouched = {name: tensor.clone() for name, tensor in self._all_model_tensors().items()}
+        self.prepare_evaluation(parameters, config)
+        loss, num_examples, metrics = self.score(self.predictors())
+        with torch.no_grad():
+            for name, tensor in self._all_model_tensors().items():
+                tensor.copy_(untouched[name])
+        return {EVALUATED + k: v for k, v in metrics.items()} | {
+            f"{EVALUATED}loss": float(loss), f"{EVALUATED}num-examples": num_examples,
+        }
+
     # --- helpers ------------------------------------------------------------------------
+
+    def _all_model_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the model (also those not in ``state_dict``), by name."""
+        return dict(self.model.named_buffers()) | self.model.state_dict(keep_vars=True)
 
     @property
     def local_state(self) -> dict[str, np.ndarray]:
@@ -326,7 +349,7 @@ class PrototypeClient(NumPyClient):
 
     def store_personal_model(self) -> None:
         """Keep the whole model (parameters and every buffer) in :attr:`local_state`."""
-        tensors = dict(self.model.named_buffers()) | self.model.state_dict()
+        tensors = self._all_model_tensors()
         self.local_state.update({MODEL_PREFIX + k: v.detach().cpu().numpy().copy() for k, v in tensors.items()})
 
     def score(self, predictors: Mapping[str, Predictor]) -> tuple[float, int, dict[str, Scalar]]:

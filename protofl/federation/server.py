@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 from flwr.common import (
+    Code,
     EvaluateIns,
     EvaluateRes,
     FitIns,
@@ -49,6 +50,7 @@ from flwr.common import (
     GetPropertiesIns,
     Parameters,
     Scalar,
+    Status,
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
@@ -61,6 +63,8 @@ from protofl.federation.checkpoint import Checkpoint
 from protofl.federation.partitions import ExpectedSizes, PartitionRegistry
 from protofl.federation.wire import (
     CORRECT,
+    EVALUATE_ROUND,
+    EVALUATED,
     PARTITION_ID,
     PM_L,
     PM_V,
@@ -188,6 +192,7 @@ class PrototypeStrategy(Strategy):
         self.round_started = 0.0
         self.run_token = secrets.token_hex(8)  # names this run's client state; a resumed run keeps it
         self.checkpointed_round = 0
+        self.pending_evaluation: int | None = None  # the round the next fit message's clients score
 
     # --- hooks for methods --------------------------------------------------------------
 
@@ -316,6 +321,8 @@ class PrototypeStrategy(Strategy):
         if s.dp_noise > 0 and self.options.statistics is not None:
             self.releases.update(self.sampled)
         configs = self.round_configs(server_round, self.sampled)
+        if self.pending_evaluation is not None:  # score the previous round's model before training
+            configs = [c | {EVALUATE_ROUND: self.pending_evaluation} for c in configs]
         instructions = [(self.partitions[p], FitIns(parameters, c)) for p, c in zip(self.sampled, configs)]
         self.recorder.update(
             server_round,
@@ -440,6 +447,9 @@ class PrototypeStrategy(Strategy):
         failed = [_describe(failure) for failure in failures]
         for reason in failed:
             log(WARNING, "round %d: a client failed: %s", server_round, reason)
+        if self.pending_evaluation is not None:
+            self._record_evaluation(self.pending_evaluation, results, in_fit=True)
+            self.pending_evaluation = None
         updates, dropped = self._checked_replies(server_round, "fit", results, self._parse_fit_result)
         updates, screened, ratios = self._screen(updates)
         for pid, reason in screened.items():
@@ -504,11 +514,13 @@ class PrototypeStrategy(Strategy):
 
     def server_state(self) -> dict[str, Any]:
         """What a resumed run needs besides the parameters and the results: the method's
-        ``state_fields``, the fixed number of partitions, the DP release counts."""
+        ``state_fields``, the fixed number of partitions, the DP release counts, the round whose
+        scores the next fit message asks for."""
         return {
             "fields": {name: getattr(self, name) for name in self.state_fields},
             "num_partitions": self.registry.num_partitions or 0,
             "releases": {str(pid): count for pid, count in self.releases.items()},
+            "pending_evaluation": self.pending_evaluation,
         }
 
     def save_checkpoint(self, server_round: int, parameters: Parameters) -> None:
@@ -532,6 +544,7 @@ class PrototypeStrategy(Strategy):
             setattr(self, name, state["fields"][name])
         self.registry.fixed = int(state["num_partitions"]) or None
         self.releases = Counter({int(pid): int(count) for pid, count in state["releases"].items()})
+        self.pending_evaluation = state.get("pending_evaluation")
         self.sent_parameters = list(checkpoint.parameters)
         self.run_token, self.checkpointed_round = checkpoint.run_token, checkpoint.server_round
         self.recorder.restore(checkpoint.results, resumed_after=checkpoint.server_round)
@@ -561,6 +574,9 @@ class PrototypeStrategy(Strategy):
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, EvaluateIns]]:
         if not self.settings.is_eval_round(server_round):
+            return []
+        if self.settings.evaluates_in_next_fit(server_round):
+            self.pending_evaluation = server_round
             return []
         if self.settings.evaluate_clients == "all":
             chosen = self._available_partitions(client_manager)
@@ -599,19 +615,40 @@ class PrototypeStrategy(Strategy):
         """PM: each client's own model on its local test split, aggregated across clients."""
         for failure in failures:
             log(WARNING, "round %d: a client failed to evaluate: %s", server_round, _describe(failure))
-        checked, dropped = self._checked_replies(server_round, "evaluate", results, self._parse_evaluate_result)
+        return self._record_evaluation(server_round, results)
+
+    def _record_evaluation(
+        self, server_round: int, results: Sequence[tuple[ClientProxy, Any]], in_fit: bool = False
+    ) -> tuple[float | None, dict[str, Scalar]]:
+        """Check the evaluations of ``server_round``'s model, from evaluate replies or (``in_fit``)
+        from the next round's fit replies, and record their PM fields in that round."""
+        parse = self._parse_evaluate_result
+        if in_fit:
+            def parse(partition_id: int, res: FitRes) -> tuple[int, EvaluateRes]:
+                return self._parse_evaluate_result(partition_id, embedded_evaluation(res))
+        checked, dropped = self._checked_replies(server_round, "evaluate", results, parse)
         valid = [res for _, res in sorted(checked, key=lambda pair: pair[0])]  # arrival order must not change sums
         fields = personalized_fields(valid)
         totals = [res.num_examples for res in valid]
         loss = float(np.average([res.loss for res in valid], weights=totals)) if valid else None
         previous = self.recorder.rounds.get(server_round, {}).get("dropped") or []
+        timing = {} if in_fit else {"seconds": time.perf_counter() - self.round_started}
         record = self.recorder.update(
-            server_round, personalized_loss=loss, seconds=time.perf_counter() - self.round_started,
+            server_round, personalized_loss=loss, **timing,
             **({"dropped": previous + dropped} if dropped else {}), **fields,
         )
         self.recorder.write()
         log(INFO, "round %d: %s", server_round, progress_line(record))
         return loss, {k: v for k, v in fields.items() if isinstance(v, float)}
+
+
+def embedded_evaluation(res: FitRes) -> EvaluateRes:
+    """The evaluation a fit reply carries (``EVALUATED`` keys) as an evaluate reply, unchecked:
+    ``_parse_evaluate_result`` checks it like any other."""
+    metrics = {k[len(EVALUATED):]: v for k, v in dict(res.metrics).items()
+               if isinstance(k, str) and k.startswith(EVALUATED)}
+    loss, num_examples = metrics.pop("loss", None), metrics.pop("num-examples", None)
+    return EvaluateRes(Status(Code.OK, ""), loss, num_examples, metrics)
 
 
 def personalized_fields(results: Sequence[EvaluateRes]) -> dict[str, Any]:

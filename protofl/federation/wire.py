@@ -35,6 +35,7 @@ SEED = "seed"
 RUN_KEY, RUN_TOKEN = "run-key", "run-token"  # which run's client state: its directory's name, its fresh start
 CHECKPOINTED_ROUND = "checkpointed-round"  # the round of the server's last checkpoint
 GLOBAL_PROTOTYPES = "global-prototypes"  # ClassVectors: FedProto, FedCoSR, FedSA
+EVALUATE_ROUND = "evaluate-round"  # in a fit config: score the model of this round before training
 # properties and metrics (client -> server)
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
@@ -45,6 +46,9 @@ CLASS_MEANS = "class-means"
 CLASS_COUNTS = "class-counts"
 CORRECT = "correct"  # evaluation: correct predictions of the reported predictor; "correct-<name>": of each
 PM_L, PM_V = "pm-l", "pm-v"  # evaluation on the global test set (FedNH's protocol)
+# a fit result's evaluation (``EVALUATE_ROUND``): each evaluation metric with this prefix, and
+# "evaluated-loss", "evaluated-num-examples" for an evaluate reply's loss and size
+EVALUATED = "evaluated-"
 
 
 class PayloadError(ValueError):
