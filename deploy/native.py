@@ -135,7 +135,8 @@ class NativeDeployment:
         self.credentials = credentials
         self.processes: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, command: list[str], netns: str | None = None) -> subprocess.Popen:
+    def start(self, name: str, command: list[str], netns: str | None = None,
+              env: Mapping[str, str] | None = None) -> subprocess.Popen:
         directory = self.workdir / name
         (directory / "state").mkdir(parents=True, exist_ok=True)
         if self.credentials is not None and not os.path.lexists(directory / "credentials"):
@@ -144,7 +145,7 @@ class NativeDeployment:
         log = open(directory / "log.txt", "wb")
         process = subprocess.Popen(
             prefix + command, cwd=directory, stdout=log, stderr=subprocess.STDOUT,
-            env=self.env | {"HOME": str(directory), "FLWR_HOME": str(directory / "flwr-home")},
+            env=self.env | dict(env or {}) | {"HOME": str(directory), "FLWR_HOME": str(directory / "flwr-home")},
             start_new_session=True,
         )
         log.close()
@@ -177,6 +178,14 @@ def service_command(compose: dict[str, Any], service: str, host: str, port: int 
     return [str(BIN / entry_point(compose["services"][service])), *args]
 
 
+def service_environment(compose: dict[str, Any], service: str) -> dict[str, str]:
+    """A compose service's ``environment`` (a mapping, or a list of KEY=VALUE)."""
+    environ = compose["services"][service].get("environment") or {}
+    if isinstance(environ, list):
+        environ = dict(item.split("=", 1) for item in environ)
+    return {key: str(value) for key, value in environ.items()}
+
+
 def start_federation(
     deployment: NativeDeployment,
     compose: dict[str, Any],
@@ -197,7 +206,8 @@ def start_federation(
     for i, (node_host, node_port, netns) in enumerate(nodes, 1):
         node, clientapp = f"supernode-{i}", f"superexec-clientapp-{i}"
         deployment.start(node, service_command(compose, node, node_host, node_port, addresses), netns)
-        deployment.start(clientapp, service_command(compose, clientapp, node_host, None, addresses), netns)
+        deployment.start(clientapp, service_command(compose, clientapp, node_host, None, addresses), netns,
+                         service_environment(compose, clientapp))
     return addresses
 
 

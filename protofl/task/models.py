@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 
@@ -170,12 +169,15 @@ def _torchvision_split(net: nn.Module, classifier: str, num_classes: int, featur
     return SplitModel(nn.Sequential(net, FeaturePool(feature_dim)), nn.Linear(feature_dim, num_classes), feature_dim)
 
 
-def _imagenet_resnet(block: type, layers: list[int]) -> Callable[[int, int, int], SplitModel]:
-    """torchvision ResNet with its unmodified ImageNet stem (7x7 stride-2 conv + max-pool), as
-    HtFLlib uses even on 32x32 inputs; the pooled feature (512, or 2048 -> 512) is the feature."""
+def _imagenet_resnet(block: str, layers: list[int]) -> Callable[[int, int, int], SplitModel]:
+    """torchvision ResNet (``block``: "BasicBlock" or "Bottleneck") with its unmodified ImageNet
+    stem (7x7 stride-2 conv + max-pool), as HtFLlib uses even on 32x32 inputs; the pooled feature
+    (512, or 2048 -> 512) is the feature."""
 
     def build(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
-        net = torchvision.models.resnet.ResNet(block, layers)
+        from torchvision.models import resnet  # torchvision's import costs ~1.6 s: only where it is used
+
+        net = resnet.ResNet(getattr(resnet, block), layers)
         if in_channels != 3:
             net.conv1 = _new_stem(net.conv1, in_channels)
         return _torchvision_split(net, "fc", num_classes)
@@ -185,6 +187,8 @@ def _imagenet_resnet(block: type, layers: list[int]) -> Callable[[int, int, int]
 
 def googlenet(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
     """torchvision GoogLeNet without auxiliary heads; 1024 -> 512 pooled feature after its dropout."""
+    import torchvision
+
     net = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True)
     if in_channels != 3:
         net.conv1.conv = _new_stem(net.conv1.conv, in_channels)
@@ -193,13 +197,15 @@ def googlenet(in_channels: int, num_classes: int, image_size: int = 32) -> Split
 
 def mobilenet_v2(in_channels: int, num_classes: int, image_size: int = 32) -> SplitModel:
     """torchvision MobileNetV2 (width 1.0, 1280 channels, dropout 0.2); 1280 -> 512 pooled feature."""
+    import torchvision
+
     net = torchvision.models.mobilenet_v2(weights=None)
     if in_channels != 3:
         net.features[0][0] = _new_stem(net.features[0][0], in_channels)
     return _torchvision_split(net, "classifier.1", num_classes)
 
 
-_BASIC, _BOTTLENECK = torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck
+_BASIC, _BOTTLENECK = "BasicBlock", "Bottleneck"
 
 MODELS = {
     "cnn": cnn,
