@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
-from protofl.task.train import BatchNormStats, PartialBatch
+from protofl.task.train import Amp, BatchNormStats, PartialBatch
 
 EvaluateClients = Literal["sampled", "all"]
 # where clients score a round's model: in the next round's fit message, before training (one message
@@ -175,6 +175,8 @@ class ExperimentSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0
+    amp: Amp = "off"
+    channels_last: bool = False
     model: str = "cnn"
     seed: int = 0
     partition_seed: int = 0

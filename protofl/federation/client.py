@@ -282,7 +282,13 @@ class PrototypeClient(NumPyClient):
             "max_grad_norm": s.max_grad_norm,
             "seed": round_seed(config, s.seed),
             "augment": self.augment,
+            "amp": s.amp,
+            "channels_last": s.channels_last,
         }
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logits) of ``x`` in eval mode, with the run's ``amp`` and ``channels-last``."""
+        return features_and_logits(self.model, x, amp=self.settings.amp, channels_last=self.settings.channels_last)
 
     def recompute_batchnorm(self) -> bool:
         """Whether the BatchNorm statistics are recomputed after local training (``batchnorm-stats``)."""
@@ -325,7 +331,7 @@ class PrototypeClient(NumPyClient):
         fills a class whose samples all fell in a skipped one-sample batch."""
 
         def evaluated() -> np.ndarray:
-            vectors = self.prototype_vectors(*features_and_logits(self.model, self.data.train_x))
+            vectors = self.prototype_vectors(*self.forward(self.data.train_x))
             return class_means(vectors, self.data.train_y, self.data.num_classes)[0]
 
         if seen is None:
@@ -358,7 +364,7 @@ class PrototypeClient(NumPyClient):
         (loss, num_test, metrics)."""
         inference = getattr(self.options, "inference", None)
         reported = inference if inference in predictors else next(iter(predictors))
-        features, logits = features_and_logits(self.model, self.data.test_x)
+        features, logits = self.forward(self.data.test_x)
         loss, _ = head_loss_and_correct(logits, self.data.test_y)
         y = self.data.test_y
         correct = {name: int((predict(features, logits) == y).sum()) for name, predict in predictors.items()}
@@ -383,7 +389,7 @@ class PrototypeClient(NumPyClient):
         else:
             x, y = load_global_test(s.dataset, s.data_dir, str(self.device), s.global_test_pm_per_class,
                                     s.normalisation)
-            predicted = predict(*features_and_logits(self.model, x))
+            predicted = predict(*self.forward(x))
         correct = torch.bincount(y[predicted == y], minlength=self.data.num_classes).cpu().numpy()
         tested = torch.bincount(y, minlength=self.data.num_classes).cpu().numpy()
         counts = self.data.class_counts()

@@ -42,7 +42,6 @@ from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_s
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors, PayloadError
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import aggregate_prototypes
-from protofl.task.train import features_and_logits
 
 LOCAL_AGGREGATION_WEIGHT = "la-tau"  # tau of Eq. 7, reported by each client
 CONTRASTIVE_LOSS = "contrastive-loss"  # L_Reg: the last local epoch's mean InfoNCE
@@ -162,7 +161,7 @@ class FedCoSRClient(PrototypeClient):
             return float(self.local_state[LAST_CONTRASTIVE_LOSS])
         if prototypes is None:
             return None
-        features, _ = features_and_logits(self.model, self.data.train_x)
+        features, _ = self.forward(self.data.train_x)
         losses = self._info_nce(features, self.data.train_y, prototypes)
         return float(losses.mean()) if len(losses) else None
 

@@ -60,6 +60,16 @@ DATASETS = {
     "cifar100": (100, "uoft-cs/cifar100", "img", "fine_label"),
     "tinyimagenet": (200, None, None, None),
 }
+# name -> (channels, image size, training images, test images) as loaded: the shapes to generate
+# stand-in data of, without the files (benchmarks/throughput.py)
+SHAPES = {
+    "digits": (1, 16, 1438, 359),
+    "fmnist": (1, 28, 60_000, 10_000),
+    "emnist": (1, 28, 112_800, 18_800),
+    "cifar10": (3, 32, 50_000, 10_000),
+    "cifar100": (3, 32, 50_000, 10_000),
+    "tinyimagenet": (3, 64, 100_000, 10_000),
+}
 # per-channel (mean, std) of pixel values in [0, 1], for normalisation="dataset" (FedNH's code)
 CHANNEL_STATS = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),

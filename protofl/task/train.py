@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Literal
+from typing import Callable, Literal, get_args
 
 import numpy as np
 import torch
@@ -25,6 +26,10 @@ BatchNormStats = Literal["auto", "recompute", "running"]
 # the batch left over when the batch size does not divide the training split: dropped each epoch
 # (PFLlib's and HtFLlib's drop_last), or trained on (a one-sample batch is always skipped)
 PartialBatch = Literal["drop", "keep"]
+# mixed precision of the forward pass and loss: none (float32), or bfloat16 autocast (no loss
+# scaling needed: bfloat16 has float32's exponent range)
+Amp = Literal["off", "bf16"]
+AMPS = get_args(Amp)
 
 
 def get_device() -> torch.device:
@@ -46,6 +51,8 @@ def train(
     extra_loss: ExtraLoss | None = None,
     partial_batch: PartialBatch = "drop",
     augment: Augment | None = None,
+    amp: Amp = "off",
+    channels_last: bool = False,
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
@@ -55,10 +62,15 @@ def train(
     that can wreck the model (see docs/results.md). ``max_grad_norm > 0`` clips the total gradient norm.
     Only parameters with ``requires_grad`` are optimised (buffers, e.g. a frozen head, never are).
     ``augment`` transforms each batch's images (its draws from the same seeded generator).
+    ``amp="bf16"`` runs the forward pass and the loss under bfloat16 autocast (the weights, their
+    gradients and the optimiser stay float32); ``channels_last`` keeps the model and 4-D batches in
+    ``torch.channels_last`` memory format.
     """
+    autocast = _autocast(amp, x.device)
+    channels_last = _to_channels_last(model, x, channels_last)
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    optimizer = SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     n = len(y)
     total = torch.zeros((), device=x.device)
@@ -70,11 +82,14 @@ def train(
             if _skipped(len(batch), n, batch_size, partial_batch):
                 continue
             inputs = x[batch] if augment is None else augment(x[batch], generator)
-            features, logits = model(inputs)
-            loss = F.cross_entropy(logits, y[batch])
-            extra = extra_loss(features, logits, y[batch]) if extra_loss is not None else None
-            if extra is not None:
-                loss = loss + extra
+            if channels_last:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            with autocast:
+                features, logits = model(inputs)
+                loss = F.cross_entropy(logits, y[batch])
+                extra = extra_loss(features, logits, y[batch]) if extra_loss is not None else None
+                if extra is not None:
+                    loss = loss + extra
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if max_grad_norm > 0:
@@ -83,6 +98,59 @@ def train(
             total += loss.detach()
             steps += 1
     return float(total) / max(steps, 1)
+
+
+class SGD:
+    """``torch.optim.SGD``'s update without dampening or Nesterov momentum, the same floats step for
+    step, but not through ``torch.optim``: creating a torch optimizer imports ``torch._dynamo``,
+    1.1-1.4 s of every fresh ClientApp process (a deployment starts one per message)."""
+
+    def __init__(self, parameters: list[torch.Tensor], lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        self.parameters, self.lr, self.momentum, self.weight_decay = parameters, lr, momentum, weight_decay
+        self.velocity: list[torch.Tensor | None] = [None] * len(parameters)  # momentum buffers, from a first step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        stepped = [i for i, p in enumerate(self.parameters) if p.grad is not None]
+        params = [self.parameters[i] for i in stepped]
+        grads = [p.grad for p in params]
+        if self.weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
+        if self.momentum:
+            known = [k for k, i in enumerate(stepped) if self.velocity[i] is not None]
+            if known:
+                velocity = [self.velocity[stepped[k]] for k in known]
+                torch._foreach_mul_(velocity, self.momentum)
+                torch._foreach_add_(velocity, [grads[k] for k in known])
+            for k, i in enumerate(stepped):
+                if self.velocity[i] is None:
+                    self.velocity[i] = grads[k].detach().clone()
+            grads = [self.velocity[i] for i in stepped]
+        if params:
+            torch._foreach_add_(params, grads, alpha=-self.lr)
+
+
+def _autocast(amp: Amp, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context ``amp`` names (none for ``"off"``)."""
+    if amp not in AMPS:
+        raise ValueError(f"amp must be one of {AMPS}, got {amp!r}")
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _to_channels_last(model: nn.Module, x: torch.Tensor, channels_last: bool) -> bool:
+    """Moves ``model`` to channels_last when asked and ``x`` is a batch of images (4-D); returns
+    whether the batches go channels_last too."""
+    if channels_last and x.dim() == 4:
+        model.to(memory_format=torch.channels_last)
+        return True
+    return False
 
 
 def _skipped(batch: int, n: int, batch_size: int, partial_batch: PartialBatch) -> bool:
@@ -136,14 +204,24 @@ def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, 
     model.train(was_training)
 
 
-@torch.no_grad()
 def features_and_logits(
-    model: nn.Module, x: torch.Tensor, batch_size: int = 1024
+    model: nn.Module, x: torch.Tensor, batch_size: int = 1024, *, amp: Amp = "off", channels_last: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eval-mode forward pass over ``x`` in chunks."""
+    """Eval-mode forward pass over ``x`` in chunks under ``torch.inference_mode`` (``amp`` and
+    ``channels_last`` as in :func:`train`). The outputs are float32, need no grad, and are ordinary
+    tensors (joined outside inference mode), so later autograd may use them as constants."""
+    autocast = _autocast(amp, x.device)
+    channels_last = _to_channels_last(model, x, channels_last)  # outside inference mode: the weights stay trainable
     model.eval()
-    outputs = [model(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]
-    return torch.cat([f for f, _ in outputs]), torch.cat([logit for _, logit in outputs])
+    features, logits = [], []
+    with torch.inference_mode():
+        for i in range(0, len(x), batch_size):
+            chunk = x[i : i + batch_size]
+            with autocast:
+                f, logit = model(chunk.contiguous(memory_format=torch.channels_last) if channels_last else chunk)
+            features.append(f.float())
+            logits.append(logit.float())
+    return torch.cat(features), torch.cat(logits)
 
 
 def class_means(

@@ -1,0 +1,119 @@
+"""Mixed precision (bf16 autocast) and channels_last in the training loop and the eval pass."""
+
+import pytest
+import torch
+
+from protofl.settings import ExperimentSettings
+from protofl.task.models import SplitModel, build_model
+from protofl.task.train import features_and_logits, train
+
+CHANNELS, CLASSES, SIZE = 3, 4, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second CPU thread only adds waiting (and is slow on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def toy_set() -> tuple[torch.Tensor, torch.Tensor]:
+    """64 noisy 3x16x16 images; class k has a bright band in rows 4k..4k+3: separable."""
+    y = torch.arange(64) % CLASSES
+    x = 0.3 * torch.randn(64, CHANNELS, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    for k in range(CLASSES):
+        x[y == k, :, 4 * k : 4 * k + 4, :] += 1.0
+    return x, y
+
+
+def fit(model, amp="off", channels_last=False, epochs=4) -> list[float]:
+    """One ``train`` call per epoch on the toy set: the loss of each epoch."""
+    x, y = toy_set()
+    return [train(model, x, y, epochs=1, batch_size=16, lr=0.05, seed=epoch, amp=amp, channels_last=channels_last)
+            for epoch in range(epochs)]
+
+
+def trained(amp="off", channels_last=False, epochs=4):
+    """A fresh seeded CNN after :func:`fit`: (model, loss of each epoch)."""
+    model = build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0)
+    return model, fit(model, amp, channels_last, epochs)
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_bf16_autocast_trains_close_to_float32_but_not_the_same():
+    reference, fp32_losses = trained()
+    model, losses = trained("bf16")
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the weights stay float32
+    update = (flat(reference) - flat(build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0))).norm()
+    gap = (flat(model) - flat(reference)).norm() / update
+    assert 1e-3 < gap < 0.2  # bf16 matmuls really ran, and the training went the same way
+    assert losses != fp32_losses and losses == pytest.approx(fp32_losses, rel=0.02)
+
+
+def test_channels_last_gives_the_same_losses_and_reaches_the_convolutions():
+    reference, contiguous = trained()
+    x, _ = toy_set()
+    assert not x.is_contiguous(memory_format=torch.channels_last)  # 3 channels: the check can fail
+    seen = []
+    model = build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0)
+    convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    convolutions[0].register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    assert fit(model, channels_last=True) == pytest.approx(contiguous, rel=1e-4)
+    assert seen and all(seen)
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convolutions)
+    features, logits = features_and_logits(model, x, channels_last=True)
+    expected_features, expected_logits = features_and_logits(reference, x)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(features, expected_features, rtol=1e-3, atol=1e-3)
+
+
+def test_a_model_first_moved_to_channels_last_by_the_eval_pass_still_trains():
+    model = build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0)
+    features_and_logits(model, toy_set()[0], channels_last=True, amp="bf16")
+    assert not any(torch.is_inference(p) for p in model.parameters())
+    assert all(torch.isfinite(torch.tensor(fit(model, channels_last=True, epochs=1))))
+
+
+def test_channels_last_leaves_flat_inputs_alone():
+    x, y = torch.randn(20, 8, generator=torch.Generator().manual_seed(0)), torch.arange(20) % 3
+
+    def loss(channels_last):
+        model = SplitModel(torch.nn.Identity(), torch.nn.Linear(8, 3), 8)
+        torch.nn.init.constant_(model.head.weight, 0.1)
+        torch.nn.init.zeros_(model.head.bias)
+        return train(model, x, y, epochs=2, batch_size=10, lr=0.1, seed=0, channels_last=channels_last)
+
+    assert loss(True) == loss(False)
+
+
+def test_the_eval_pass_returns_float32_tensors_outside_autograd_under_amp():
+    model, _ = trained(epochs=1)
+    x, _ = toy_set()
+    features, logits = features_and_logits(model, x, batch_size=24, amp="bf16")
+    fp32_features, fp32_logits = features_and_logits(model, x, batch_size=24)
+    for tensor in (features, logits, fp32_features, fp32_logits):
+        assert tensor.dtype == torch.float32 and not tensor.requires_grad and not torch.is_inference(tensor)
+    weight = torch.ones(CLASSES, requires_grad=True)
+    (logits * weight).sum().backward()  # usable as a constant in a later loss
+    torch.testing.assert_close(weight.grad, logits.sum(0))
+    assert features.shape == (64, 512) and logits.shape == (64, CLASSES)
+    assert not torch.equal(logits, fp32_logits)  # computed in bf16 ...
+    torch.testing.assert_close(logits, fp32_logits, rtol=0.05, atol=0.05)  # ... and close
+    assert model.training is False and all(p.requires_grad for p in model.parameters())
+
+
+def test_a_bad_amp_is_an_error_and_the_run_config_reads_both_keys():
+    with pytest.raises(ValueError, match="amp must be one of"):
+        fit(build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0), amp="fp16")
+    settings = ExperimentSettings.from_run_config({"amp": "bf16", "channels-last": True})
+    assert (settings.amp, settings.channels_last) == ("bf16", True)
+    assert (ExperimentSettings().amp, ExperimentSettings().channels_last) == ("off", False)
+    with pytest.raises(ValueError, match="amp must be one of"):
+        ExperimentSettings.from_run_config({"amp": "fp16"})
