@@ -5,7 +5,8 @@ sample partitions with the run seed, send each the parameters the method shares,
 method's broadcast arrays; decode and check every fit result against what the server knows, screen
 the magnitudes against the round's cohort, and hand the accepted updates, sorted by partition, to
 the method's server rule; check the rule's output before anything goes out; score the global model
-(GM) and aggregate the clients' evaluations (PM); record everything.
+(GM) and aggregate the clients' evaluations (PM: by default carried by the next round's fit
+replies, ``evaluation-message``); record everything.
 
 Every client message is hostile until checked: nothing a client sends raises out of the strategy.
 A bad update or evaluation is dropped with a logged reason, recorded in the round's ``dropped``
