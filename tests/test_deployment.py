@@ -54,7 +54,7 @@ def test_insecure_deployment_runs_fedproto(tmp_path, deployment):
     for deployed, local in zip(results["rounds"], simulated["rounds"], strict=True):
         assert deployed["clients"] == local["clients"]
         assert deployed["bytes_up"] == local["bytes_up"] and deployed["bytes_down"] == local["bytes_down"]
-        for key in ("train_loss", "personalized_accuracy", "pm_l", "pm_v"):
+        for key in ("train_loss", "personalized_accuracy", "personalized_std", "personalized_loss"):
             assert deployed[key] == pytest.approx(local[key], rel=1e-4, abs=1e-4), key
 
 
