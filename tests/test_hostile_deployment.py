@@ -65,13 +65,8 @@ class HostileDeployment(native.NativeDeployment):
         super().__init__(*args, **kwargs)
         self.extra_env = extra_env
 
-    def start(self, name, command, netns=None):
-        honest = self.env
-        self.env = honest | self.extra_env.get(name, {})
-        try:
-            return super().start(name, command, netns)
-        finally:
-            self.env = honest
+    def start(self, name, command, netns=None, env=None):
+        return super().start(name, command, netns, dict(env or {}) | self.extra_env.get(name, {}))
 
 
 @pytest.fixture
