@@ -61,7 +61,8 @@ def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results
     assert any(state.glob("round-*.npz"))  # what the restarted node continues from
     for name in (node, clientapp):
         host, port = (nodes[KILLED_NODE - 1][0], nodes[KILLED_NODE - 1][1]) if name == node else ("127.0.0.1", None)
-        deployment.start(name, native.service_command(compose, name, host, port, addresses))
+        deployment.start(name, native.service_command(compose, name, host, port, addresses), None,
+                         native.service_environment(compose, name))
 
     resumed = native.flwr(home, ["run", str(ROOT), "deployment", "--stream", "--run-config", config + " resume=true"],
                           timeout=500)
