@@ -93,7 +93,7 @@ def test_sgd_takes_torch_sgds_steps_to_the_bit(momentum, weight_decay):
     for step in range(6):
         x = torch.randn(8, 5)
         for model, optimizer, bias in zip((ours, theirs), optimizers, only_sometimes):
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             model(x).pow(2).mean().backward()
             if step < 2:
                 bias.grad = None

@@ -179,7 +179,13 @@ class PrototypeClient(NumPyClient):
         return self.shared_arrays(), self.data.num_train, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
-        self._use_state_of(config, server_round(config) + 1)  # as this round's fit left it
+        return self._scored(parameters, config, server_round(config) + 1)  # as this round's fit left it
+
+    def _scored(
+        self, parameters: list[np.ndarray], config: Mapping[str, Scalar], before: int
+    ) -> tuple[float, int, dict[str, Scalar]]:
+        """The model to score set up from the state saved before round ``before``, then scored."""
+        self._use_state_of(config, before)
         self.prepare_evaluation(parameters, config)
         return self.score(self.predictors())
 
@@ -187,10 +193,8 @@ class PrototypeClient(NumPyClient):
         """What :meth:`evaluate` would have replied for the previous round, as ``EVALUATED`` fit
         metrics: the same state and model (the state before this round is the one the previous
         round's fit left), scored before training; the model is then put back as it was."""
-        self._use_state_of(config, server_round(config))
         untouched = {name: tensor.clone() for name, tensor in self._all_model_tensors().items()}
-        self.prepare_evaluation(parameters, config)
-        loss, num_examples, metrics = self.score(self.predictors())
+        loss, num_examples, metrics = self._scored(parameters, config, server_round(config))
         with torch.no_grad():
             for name, tensor in self._all_model_tensors().items():
                 tensor.copy_(untouched[name])

@@ -607,6 +607,10 @@ class PrototypeStrategy(Strategy):
                 raise PayloadError(f"{key} must be a number in [0, 1], got {value!r}")
         return partition_id, res
 
+    def _parse_embedded_evaluation(self, partition_id: int, res: FitRes) -> tuple[int, EvaluateRes]:
+        """The evaluation a fit reply carries, checked as an evaluate reply."""
+        return self._parse_evaluate_result(partition_id, embedded_evaluation(res))
+
     def aggregate_evaluate(
         self,
         server_round: int,
@@ -623,10 +627,7 @@ class PrototypeStrategy(Strategy):
     ) -> tuple[float | None, dict[str, Scalar]]:
         """Check the evaluations of ``server_round``'s model, from evaluate replies or (``in_fit``)
         from the next round's fit replies, and record their PM fields in that round."""
-        parse = self._parse_evaluate_result
-        if in_fit:
-            def parse(partition_id: int, res: FitRes) -> tuple[int, EvaluateRes]:
-                return self._parse_evaluate_result(partition_id, embedded_evaluation(res))
+        parse = self._parse_embedded_evaluation if in_fit else self._parse_evaluate_result
         checked, dropped = self._checked_replies(server_round, "evaluate", results, parse)
         valid = [res for _, res in sorted(checked, key=lambda pair: pair[0])]  # arrival order must not change sums
         fields = personalized_fields(valid)

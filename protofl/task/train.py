@@ -90,7 +90,7 @@ def train(
                 extra = extra_loss(features, logits, y[batch]) if extra_loss is not None else None
                 if extra is not None:
                     loss = loss + extra
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss.backward()
             if max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
@@ -110,7 +110,7 @@ class SGD:
         self.parameters, self.lr, self.momentum, self.weight_decay = parameters, lr, momentum, weight_decay
         self.velocity: list[torch.Tensor | None] = [None] * len(parameters)  # momentum buffers, from a first step
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         for p in self.parameters:
             p.grad = None
 
