@@ -256,6 +256,22 @@ class ExperimentSettings:
         """The client learning rate of a round: lr * lr-decay^(round - 1)."""
         return self.lr * self.lr_decay ** (max(server_round, 1) - 1)
 
+    def train_arguments(self, server_round: int, seed: int) -> dict[str, Any]:
+        """The training loop's arguments (:func:`protofl.task.train.train`) in a round, but the data,
+        the model and the augmentation."""
+        return {
+            "epochs": self.local_epochs,
+            "batch_size": self.batch_size,
+            "partial_batch": self.partial_batch,
+            "lr": self.round_lr(server_round),
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "seed": seed,
+            "amp": self.amp,
+            "channels_last": self.channels_last,
+        }
+
     def partition_spec(self, num_partitions: int) -> PartitionSpec:
         return PartitionSpec(
             scheme=self.partition,

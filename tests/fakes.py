@@ -22,9 +22,9 @@ def start_round(strategy, sampled, num_partitions=None):
     ``sampled`` ones asked to train."""
     sampled = list(sampled)
     n = num_partitions or max(sampled) + 1
-    strategy.partitions = {p: FakeProxy(str(100 + p)) for p in range(n)}
+    strategy.discovery.nodes = {p: FakeProxy(str(100 + p)) for p in range(n)}
     strategy.sampled = sampled
-    strategy.asked = {str(100 + p): p for p in sampled}
+    strategy.admission.asked = {str(100 + p): p for p in sampled}
 
 
 def write_cifar(root, num_classes, train_sizes, test_size, seed=0):

@@ -52,7 +52,7 @@ def test_with_fewer_clients_per_round_scores_keep_their_own_message(tmp_path):
 
 def test_a_bad_evaluation_in_a_fit_reply_is_dropped_and_the_update_kept(tmp_path, caplog):
     strategy = make_strategy(FedProtoStrategy, tmp_path)
-    strategy.pending_evaluation = 1  # round 1's scores ride in round 2's fit replies
+    strategy.evaluation.pending = 1  # round 1's scores ride in round 2's fit replies
     counts = np.array([5] + [0] * 9)
     prototypes = np.ones((C, D), np.float32)
     good = proto_result(0, prototypes, counts, **{"evaluated-correct": 3, "evaluated-loss": 0.5,
@@ -63,7 +63,7 @@ def test_a_bad_evaluation_in_a_fit_reply_is_dropped_and_the_update_kept(tmp_path
                                                       "evaluated-num-examples": 4})
     silent = proto_result(3, prototypes, counts)  # asked to score, sent nothing
     _, metrics = strategy.aggregate_fit(2, [good, lying, nan_loss, silent], [])
-    assert metrics["accepted"] == 4 and strategy.pending_evaluation is None
+    assert metrics["accepted"] == 4 and strategy.evaluation.pending is None
     rounds = {r["round"]: r for r in json.loads((tmp_path / "run" / "results.json").read_text())["rounds"]}
     assert rounds[1]["personalized_accuracy"] == pytest.approx(3 / 4)  # only the good one
     assert [(d["stage"], d["partition"]) for d in rounds[1]["dropped"]] == [("evaluate", p) for p in (1, 2, 3)]
@@ -82,14 +82,14 @@ def test_evaluation_keys_nobody_asked_for_are_ignored(tmp_path):
 def test_the_fit_config_asks_for_the_pending_round_and_a_checkpoint_keeps_it(tmp_path):
     strategy = make_strategy(FedProtoStrategy, tmp_path, num_server_rounds=3)
     parameters = ndarrays_to_parameters([])
-    assert strategy.configure_evaluate(1, parameters, None) == [] and strategy.pending_evaluation == 1
+    assert strategy.configure_evaluate(1, parameters, None) == [] and strategy.evaluation.pending == 1
     assert strategy.server_state()["pending_evaluation"] == 1
 
     class Nodes:
         def all(self):
             return {str(100 + p): FakeProxy(str(100 + p)) for p in range(4)}
 
-    strategy.discover_partitions = lambda client_manager: start_round(strategy, range(4))
+    strategy.discovery.discover = lambda client_manager: start_round(strategy, range(4))
     configs = [ins.config for _, ins in strategy.configure_fit(2, parameters, Nodes())]
     assert [c[EVALUATE_ROUND] for c in configs] == [1] * 4
     assert len(strategy.configure_evaluate(3, parameters, None)) == 4  # the last round: its own message

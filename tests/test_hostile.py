@@ -49,12 +49,12 @@ def make_strategy(method, tmp_path, name="run", **overrides):
     for p in range(N):
         expected = sizes(N, p)
         claim = PartitionClaim(p, N, int(expected.train_counts.sum()), expected.num_test)
-        strategy.registry.claims[str(100 + p)] = claim
-    strategy.registry.freeze()
-    holders = strategy.registry.holders(strategy.registry.claims)
-    strategy.partitions = {p: FakeProxy(node) for p, node in holders.items()}
+        strategy.discovery.registry.claims[str(100 + p)] = claim
+    strategy.discovery.registry.freeze()
+    holders = strategy.discovery.registry.holders(strategy.discovery.registry.claims)
+    strategy.discovery.nodes = {p: FakeProxy(node) for p, node in holders.items()}
     strategy.sampled = list(range(N))
-    strategy.asked = {str(100 + p): p for p in range(N)}
+    strategy.admission.asked = {str(100 + p): p for p in range(N)}
     return strategy
 
 
@@ -63,7 +63,7 @@ def honest_update(strategy, pid, round_=1):
     rng = np.random.default_rng(10 * round_ + pid)
     parameters = [(w + rng.normal(0, 0.01, w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w.copy()
                   for w in strategy.shared_weights()]
-    counts = strategy.registry.sizes(pid).train_counts
+    counts = strategy.discovery.registry.sizes(pid).train_counts
     dim = strategy.options.statistics_dim(10, strategy.feature_dim)
     metrics = {"partition-id": pid, "train-loss": 1.0, **EXTRA_METRICS.get(strategy.settings.method, {})}
     if strategy.options.statistics is not None:
@@ -243,7 +243,7 @@ def test_the_screen_compares_class_vectors_among_clients_of_one_architecture(tmp
         replies[p] = (replies[p][0], _with(replies[p][1], **{CLASS_MEANS: encode_array(12 * _means(replies[p][1]))}))
     _, metrics = strategy.aggregate_fit(1, replies, [])
     assert metrics["accepted"] == N
-    strategy.asked = {str(100 + p): p for p in range(N)}
+    strategy.admission.asked = {str(100 + p): p for p in range(N)}
     replies[3] = (replies[3][0], _with(replies[3][1], **{CLASS_MEANS: encode_array(100 * _means(replies[3][1]))}))
     _, metrics = strategy.aggregate_fit(2, replies, [])
     record = json.loads((tmp_path / "family" / "results.json").read_text())["rounds"][1]
@@ -276,7 +276,7 @@ def test_a_non_finite_aggregate_keeps_the_previous_global_state(tmp_path, method
         return [a * np.nan if a.dtype.kind == "f" else a for a in result] if result is not None else None
 
     monkeypatch.setattr(type(strategy), "aggregate_updates", poisoned_rule)
-    strategy.asked = {str(100 + p): p for p in range(N)}
+    strategy.admission.asked = {str(100 + p): p for p in range(N)}
     parameters, metrics = strategy.aggregate_fit(2, [honest_update(strategy, p, 2) for p in range(N)], [])
     if strategy.shared_weights():
         assert parameters is None  # Flower keeps the previous parameters
@@ -317,7 +317,7 @@ def test_a_failing_server_rule_keeps_the_state_and_the_run(tmp_path, monkeypatch
 
 
 def evaluation(strategy, pid, correct, **extra):
-    num_test = strategy.registry.sizes(pid).num_test
+    num_test = strategy.discovery.registry.sizes(pid).num_test
     metrics = {"correct": correct, "partition-id": pid, **extra}
     return FakeProxy(str(100 + pid)), EvaluateRes(OK, 0.5, num_test, metrics)
 
@@ -325,7 +325,7 @@ def evaluation(strategy, pid, correct, **extra):
 @pytest.mark.parametrize("attack", ["inflated", "bool", "missing-correct", "negative-loss", "twice", "other-size"])
 def test_a_hostile_evaluation_is_dropped_and_the_round_keeps_its_pm(tmp_path, attack):
     strategy = make_strategy("fedproto", tmp_path, "evaluated")
-    honest = [evaluation(strategy, p, strategy.registry.sizes(p).num_test // 2) for p in range(N - 1)]
+    honest = [evaluation(strategy, p, strategy.discovery.registry.sizes(p).num_test // 2) for p in range(N - 1)]
     proxy, res = evaluation(strategy, HOSTILE, 1)
     sent = {
         "inflated": [(proxy, EvaluateRes(OK, 0.0, 10**12, {"correct": 10**12}))],
@@ -348,7 +348,7 @@ def test_a_predictor_one_client_leaves_out_is_scored_over_the_others(tmp_path):
     results = [evaluation(strategy, p, 1, **{"correct-head": 2}) for p in range(N - 1)]
     results.append(evaluation(strategy, HOSTILE, 1))  # no correct-head
     _, metrics = strategy.aggregate_evaluate(1, results, [])
-    tested = [strategy.registry.sizes(p).num_test for p in range(N)]
+    tested = [strategy.discovery.registry.sizes(p).num_test for p in range(N)]
     assert metrics["personalized_accuracy"] == pytest.approx(N / sum(tested))
     assert metrics["personalized_accuracy_head"] == pytest.approx(2 * (N - 1) / sum(tested[: N - 1]))
 

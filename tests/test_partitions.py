@@ -2,8 +2,11 @@
 
 import numpy as np
 import pytest
+from fakes import OK, FakeProxy
+from flwr.common import GetPropertiesRes
+from flwr.server import SimpleClientManager
 
-from protofl.federation.partitions import DISCOVERY_ATTEMPTS, PartitionRegistry
+from protofl.federation.partitions import DISCOVERY_ATTEMPTS, PartitionDiscovery, PartitionRegistry
 from protofl.task.data import PartitionSizes
 
 
@@ -73,3 +76,44 @@ def test_a_node_whose_query_failed_is_asked_again_a_few_times():
     assert registry.to_query(["a", "b"]) == []
     registry.record("bad", properties(True))
     assert registry.to_query(["bad"]) == []  # a malformed answer is not asked again
+
+
+# --- discovery on a client manager, without a Flower round ------------------------------------
+
+
+class Node(FakeProxy):
+    """A node that answers ``get_properties`` with ``reply`` (raised when it is an exception)."""
+
+    def __init__(self, cid, reply):
+        super().__init__(cid)
+        self.reply, self.asked = reply, 0
+
+    def get_properties(self, ins, timeout, group_id):
+        self.asked += 1
+        if isinstance(self.reply, BaseException):
+            raise self.reply
+        return GetPropertiesRes(OK, self.reply)
+
+
+class Manager(SimpleClientManager):
+    def __init__(self, nodes):
+        super().__init__()
+        for node in nodes:
+            self.register(node)
+
+
+def test_discovery_finds_the_holders_and_asks_a_failed_node_again_next_round():
+    nodes = [Node("a", properties(0, n=3)), Node("b", properties(1, n=3)), Node("c", TimeoutError("no answer"))]
+    discovery = PartitionDiscovery()
+    discovery.poll = 0.0  # the first discovery waits for as many nodes as partitions
+    discovery.properties_timeout = 1.0
+    discovery.discover(Manager(nodes))
+    assert {pid: node.cid for pid, node in discovery.nodes.items()} == {0: "a", 1: "b"}
+    assert discovery.registry.num_partitions == 3 and nodes[2].asked == DISCOVERY_ATTEMPTS
+    assert discovery.known_sizes(1) == (30, 10, None)  # the holder's claim: no server copy of the data
+    assert discovery.known_sizes(2) is None
+
+    again = Node("c2", properties(2, n=3))  # c restarted under a new node id, and answers
+    discovery.discover(Manager(nodes[:2] + [again]))
+    assert sorted(discovery.nodes) == [0, 1, 2] and (nodes[0].asked, again.asked) == (1, 1)
+    assert discovery.available(Manager(nodes[:1] + [again])) == [0, 2]  # b left

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from protofl.task.privacy import privatize_class_means, prototype_epsilon
+from protofl.task.privacy import ReleaseLedger, privatize_class_means, prototype_epsilon
 
 
 def test_rows_are_clipped_and_noised_and_absent_classes_stay_zero():
@@ -28,3 +28,14 @@ def test_epsilon_grows_with_rounds_and_shrinks_with_noise():
     accountant = dp_accounting.rdp.RdpAccountant()
     accountant.compose(dp_accounting.GaussianDpEvent(1.0), 10)
     assert prototype_epsilon(2.0, 10, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5))
+
+
+def test_the_ledger_counts_each_partitions_releases_and_the_run_pays_for_the_most_frequent():
+    ledger = ReleaseLedger()
+    assert ledger.epsilon(2.0, 1e-5) is None
+    ledger.record([0, 1])
+    ledger.record([1, 2])
+    ledger.record([1])
+    assert ledger.epsilon(2.0, 1e-5) == prototype_epsilon(2.0, 3, 1e-5)  # partition 1: three releases
+    resumed = ReleaseLedger(ledger.state())  # through a checkpoint's JSON keys
+    assert ledger.state() == {"0": 1, "1": 3, "2": 1} and resumed.releases == ledger.releases

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import RecordDict
+from flwr.common import ndarrays_to_parameters
 from inprocess import run_in_process
 from native import kill_trees, pids_with_argument
 
@@ -20,9 +21,11 @@ from protofl.federation.checkpoint import (
     CHECKPOINT,
     Checkpoint,
     ClientStateStore,
+    RunCheckpoints,
     open_run,
 )
 from protofl.federation.wire import ClassVectors
+from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
 from protofl.task import storage
@@ -94,6 +97,21 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint(tmp_path, monkeypat
 
 
 # --- what a node keeps for its partition ------------------------------------------------------
+
+
+def test_checkpoints_are_due_every_few_rounds_and_after_the_last(tmp_path):
+    settings = ExperimentSettings(checkpoint_every=2, num_server_rounds=5, output_dir=str(tmp_path), run_name="r")
+    recorder = RunRecorder(settings.run_directory(), settings.as_dict())
+    checkpoints = RunCheckpoints(settings, recorder)
+    saved = []
+    for server_round in range(1, 6):
+        recorder.update(server_round, train_loss=1.0)
+        checkpoints.save(server_round, ndarrays_to_parameters([np.zeros(2)]), lambda: saved.append(server_round) or {})
+        assert checkpoints.run_identity(server_round + 1) == ("r", checkpoints.run_token, saved[-1] if saved else 0)
+    assert saved == [2, 4, 5] and Checkpoint.load(settings.run_directory()).server_round == 5
+    assert recorder.rounds[4]["checkpoint_bytes"] > 0 and "checkpoint_bytes" not in recorder.rounds[3]
+    without = RunCheckpoints(ExperimentSettings(checkpoint_every=0), recorder)  # every earlier round counts as kept
+    assert without.run_identity(4)[2] == 3
 
 
 def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp_path):

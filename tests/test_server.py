@@ -7,7 +7,8 @@ import pytest
 from fakes import OK, FakeProxy, start_round
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
-from protofl.federation.server import DIVERGED_HINT, RunStopped, too_few_updates
+from protofl.federation.admission import DIVERGED_HINT, too_few_updates
+from protofl.federation.server import RunStopped
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgStrategy

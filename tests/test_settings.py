@@ -149,7 +149,7 @@ def test_task_settings_report_and_the_overhead_benchmark_import_no_flower():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
     pattern = re.compile(r"^\s*(from|import)\s+flwr(\.|\s|$)", re.MULTILINE)
-    offenders = [p.name for p in (ROOT / "protofl" / "task").glob("*.py") if pattern.search(p.read_text())]
+    offenders = [p.name for p in (ROOT / "protofl" / "task").rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
 
 

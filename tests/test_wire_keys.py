@@ -53,14 +53,14 @@ def test_no_method_module_spells_a_wire_key_that_another_module_spells(runs):
 def test_every_method_that_uploads_class_statistics_has_them_checked(runs, name, caplog):
     strategy, messages = runs[name]
     reply = [reply for kind, _, reply in messages if kind == "fit"][-1]
-    proxy = next(p for p in strategy.partitions.values() if p.context.node_config["partition-id"]
+    proxy = next(p for p in strategy.discovery.nodes.values() if p.context.node_config["partition-id"]
                  == reply.metrics["partition-id"])
     counts = np.load(io.BytesIO(reply.metrics[CLASS_COUNTS]))
     counts[int(np.argmax(counts))] += 1  # one more sample than the client reports it trained on
     tampered = FitRes(reply.status, reply.parameters, reply.num_examples,
                       reply.metrics | {CLASS_COUNTS: encode_array(counts)})
     strategy.sampled = [reply.metrics["partition-id"]]
-    strategy.asked = {proxy.cid: reply.metrics["partition-id"]}
+    strategy.admission.asked = {proxy.cid: reply.metrics["partition-id"]}
     with pytest.raises(RunStopped, match="0 of 1 client updates usable"):
         strategy.aggregate_fit(3, [(proxy, tampered)], [])
     assert "class counts do not add up" in caplog.text

@@ -21,13 +21,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
+import time
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
+from flwr.common import Parameters, parameters_to_ndarrays
 from flwr.common.logger import log
 
+from protofl.federation import wire
 from protofl.federation.wire import ClassVectors
 from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
 
@@ -125,6 +129,42 @@ class Checkpoint:
         """The run directory's checkpoint; None when it has none."""
         path = Path(directory) / CHECKPOINT
         return cls.from_bytes(path.read_bytes()) if path.is_file() else None
+
+
+class RunCheckpoints:
+    """The server's side of a run's checkpoints: when one is written (``checkpoint-every``, and
+    after the last round), the run token that names this run's client state (a resumed run keeps
+    it), and the round of the last one (the client state versions it still needs)."""
+
+    def __init__(self, settings: Any, recorder: Any) -> None:
+        self.every, self.last = settings.checkpoint_every, settings.num_server_rounds
+        self.recorder = recorder
+        self.run_token = secrets.token_hex(8)
+        self.checkpointed_round = 0
+
+    def run_identity(self, server_round: int) -> tuple[str, str, int]:
+        """What a round's config tells the clients of this run: (its directory's name, its token, the
+        last checkpointed round; every earlier round without checkpoints)."""
+        checkpointed = self.checkpointed_round if self.every else server_round - 1
+        return self.recorder.directory.name, self.run_token, checkpointed
+
+    def save(self, server_round: int, parameters: Parameters, state: Callable[[], dict[str, Any]]) -> None:
+        """After a complete round, when one is due: the checkpoint of ``parameters``, the server's
+        ``state()`` and the results; its time and size are recorded in the round."""
+        if not self.every or (server_round % self.every and server_round != self.last):
+            return
+        started = time.perf_counter()
+        checkpoint = Checkpoint(server_round, parameters_to_ndarrays(parameters), state(),
+                                self.recorder.results(), self.run_token)
+        size = checkpoint.save(self.recorder.directory)
+        self.checkpointed_round = server_round
+        self.recorder.update(server_round, checkpoint_seconds=time.perf_counter() - started, checkpoint_bytes=size)
+        self.recorder.write()
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Continue after ``checkpoint``'s round: its run token and results."""
+        self.run_token, self.checkpointed_round = checkpoint.run_token, checkpoint.server_round
+        self.recorder.restore(checkpoint.results, resumed_after=checkpoint.server_round)
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,3 +284,30 @@ def open_run(settings: Any, directory: Path) -> Checkpoint | None:
             "raise num-server-rounds to extend it"
         )
     return checkpoint
+
+
+class LocalState:
+    """What one client keeps for its partition across rounds (named arrays: a personal model, FedSA's
+    margin, ...), as its store held it before a given round: read when first used, saved after a
+    fit under that fit's round."""
+
+    def __init__(self, store: ClientStateStore) -> None:
+        self.store = store
+        self.run: tuple[str, str] = ("", "")
+        self.before: int | None = None
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def use(self, config: Mapping[str, Any], before: int) -> None:
+        """From now on, the state the run that ``config`` names saved before round ``before``."""
+        self.run, self.before, self._arrays = wire.run_identity(config), before, None
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = self.store.load(*self.run, self.before)
+        return self._arrays
+
+    def save(self, config: Mapping[str, Any]) -> None:
+        """After the fit of ``config``'s round: what it holds, if anything."""
+        if self._arrays:
+            self.store.save(*self.run, wire.server_round(config), self._arrays, wire.checkpointed_round(config))

@@ -22,57 +22,49 @@ the fit metrics).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 from flwr.client import NumPyClient
 from flwr.common import Scalar
 
-from protofl.federation.checkpoint import ClientStateStore
+from protofl.federation.checkpoint import ClientStateStore, LocalState
+from protofl.federation.scoring import Predictor, local_scores
 from protofl.federation.wire import (
-    CORRECT,
     EVALUATE_ROUND,
-    EVALUATED,
     GLOBAL_PROTOTYPES,
     NUM_PARTITIONS,
     NUM_TEST,
     NUM_TRAIN,
     PARTITION_ID,
-    PM_L,
-    PM_V,
     TRAIN_LOSS,
     ArraySpec,
     ClassStatistics,
     ClassVectors,
-    checkpointed_round,
     decode_array,
     decode_class_vectors,
+    evaluation_as_fit_metrics,
     round_seed,
-    run_identity,
     server_round,
 )
-from protofl.report import class_weighted_accuracy
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.augment import make_augment
-from protofl.task.data import ClientData, black_level, load_global_test
+from protofl.task.data import ClientData, black_level
 from protofl.task.models import SplitModel
-from protofl.task.privacy import privatize_class_means
 from protofl.task.train import (
     FeatureSums,
     class_means,
     features_and_logits,
-    head_loss_and_correct,
     head_prediction,
     recompute_batchnorm_stats,
     stale_batchnorm,
     steps_per_epoch,
     train,
 )
+from protofl.task.weights import all_tensors, load_all_tensors
 
 MODEL_PREFIX = "model/"  # local_state names of the personal model's entries
-# predict(features, logits) -> predicted labels
-Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PrototypeClient(NumPyClient):
@@ -98,9 +90,8 @@ class PrototypeClient(NumPyClient):
         self.augment = make_augment(settings.augment, fill.expand(data.in_channels))
         self.model = model.to(self.device)
         self.num_partitions = num_partitions
-        self.store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id)
-        self._local_state: dict[str, np.ndarray] | None = None  # read from the store when first used
-        self._state_round: tuple[tuple[str, str], int | None] = (("", ""), None)  # (run, read before round)
+        store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id)
+        self.state = LocalState(store)
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
         self.loss_parts: dict[str, list[torch.Tensor]] = {}
@@ -156,7 +147,7 @@ class PrototypeClient(NumPyClient):
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
         evaluated = self.evaluate_before_training(parameters, config) if EVALUATE_ROUND in config else {}
         self.loss_parts = {}
-        self._use_state_of(config, server_round(config))  # as it was before this round
+        self.state.use(config, server_round(config))  # as it was before this round
         self.receive(parameters, config)
         seen = self.prototype_collector()
         loss = train(
@@ -168,14 +159,12 @@ class PrototypeClient(NumPyClient):
         metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)} | evaluated
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
         if statistics is not None and self.settings.dp_noise > 0:
-            statistics = self.privatize(statistics)
+            statistics = statistics.privatized(self.settings.dp_clip, self.settings.dp_noise)
         if statistics is not None:
             metrics |= statistics.to_metrics()
         metrics |= self.after_fit(statistics)
         metrics |= {key: float(torch.stack(values).mean()) for key, values in self.loss_parts.items() if values}
-        if self._local_state:
-            run, _ = self._state_round
-            self.store.save(*run, server_round(config), self._local_state, checkpointed_round(config))
+        self.state.save(config)
         return self.shared_arrays(), self.data.num_train, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
@@ -185,7 +174,7 @@ class PrototypeClient(NumPyClient):
         self, parameters: list[np.ndarray], config: Mapping[str, Scalar], before: int
     ) -> tuple[float, int, dict[str, Scalar]]:
         """The model to score set up from the state saved before round ``before``, then scored."""
-        self._use_state_of(config, before)
+        self.state.use(config, before)
         self.prepare_evaluation(parameters, config)
         return self.score(self.predictors())
 
@@ -193,42 +182,21 @@ class PrototypeClient(NumPyClient):
         """What :meth:`evaluate` would have replied for the previous round, as ``EVALUATED`` fit
         metrics: the same state and model (the state before this round is the one the previous
         round's fit left), scored before training; the model is then put back as it was."""
-        untouched = {name: tensor.clone() for name, tensor in self._all_model_tensors().items()}
+        untouched = {name: tensor.clone() for name, tensor in all_tensors(self.model).items()}
         loss, num_examples, metrics = self._scored(parameters, config, server_round(config))
         with torch.no_grad():
-            for name, tensor in self._all_model_tensors().items():
+            for name, tensor in all_tensors(self.model).items():
                 tensor.copy_(untouched[name])
-        return {EVALUATED + k: v for k, v in metrics.items()} | {
-            f"{EVALUATED}loss": float(loss), f"{EVALUATED}num-examples": num_examples,
-        }
+        return evaluation_as_fit_metrics(loss, num_examples, metrics)
 
     # --- helpers ------------------------------------------------------------------------
-
-    def _all_model_tensors(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer of the model (also those not in ``state_dict``), by name."""
-        return dict(self.model.named_buffers()) | self.model.state_dict(keep_vars=True)
 
     @property
     def local_state(self) -> dict[str, np.ndarray]:
         """Named arrays this client keeps for its partition across rounds (a personal model,
         FedSA's margin, ...): what it saved after its last fit before this round; saved again
         after this fit. Never sent."""
-        if self._local_state is None:
-            run, before = self._state_round
-            self._local_state = self.store.load(*run, before)
-        return self._local_state
-
-    def _use_state_of(self, config: Mapping[str, Scalar], before: int) -> None:
-        self._state_round = (run_identity(config), before)
-        self._local_state = None
-
-    def privatize(self, statistics: ClassStatistics) -> ClassStatistics:
-        """Differentially private class vectors (``dp-clip``, ``dp-noise``): clipped, with Gaussian
-        noise from the OS's entropy, never from the run seed, which the server knows."""
-        s = self.settings
-        rng = np.random.default_rng()
-        means = privatize_class_means(statistics.means, statistics.counts, s.dp_clip, s.dp_noise, rng)
-        return ClassStatistics(means, statistics.counts)
+        return self.state.arrays
 
     def shared_arrays(self) -> list[np.ndarray]:
         """The model entries this method exchanges, in ``state_dict`` order: all the server may see."""
@@ -275,20 +243,9 @@ class PrototypeClient(NumPyClient):
             self.loss_parts.setdefault(key, []).append(value.detach())
 
     def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "epochs": s.local_epochs,
-            "batch_size": s.batch_size,
-            "partial_batch": s.partial_batch,
-            "lr": s.round_lr(server_round(config)),
-            "momentum": s.momentum,
-            "weight_decay": s.weight_decay,
-            "max_grad_norm": s.max_grad_norm,
-            "seed": round_seed(config, s.seed),
-            "augment": self.augment,
-            "amp": s.amp,
-            "channels_last": s.channels_last,
-        }
+        """The training loop's arguments in ``config``'s round."""
+        arguments = self.settings.train_arguments(server_round(config), round_seed(config, self.settings.seed))
+        return arguments | {"augment": self.augment}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, logits) of ``x`` in eval mode, with the run's ``amp`` and ``channels-last``."""
@@ -338,66 +295,25 @@ class PrototypeClient(NumPyClient):
             vectors = self.prototype_vectors(*self.forward(self.data.train_x))
             return class_means(vectors, self.data.train_y, self.data.num_classes)[0]
 
-        if seen is None:
-            return evaluated()
-        prototypes = seen.means()
-        missing = (self.data.class_counts() > 0) & (seen.counts.cpu().numpy() == 0)
-        if missing.any():
-            prototypes[missing] = evaluated()[missing]
-        return prototypes
+        return evaluated() if seen is None else seen.means_filled(self.data.class_counts() > 0, evaluated)
 
     def restore_personal_model(self) -> bool:
         """Load this client's persistent model from its :attr:`local_state`; False before it has one."""
         stored = {k[len(MODEL_PREFIX):]: v for k, v in self.local_state.items() if k.startswith(MODEL_PREFIX)}
         if not stored:
             return False
-        self.model.load_state_dict({k: torch.from_numpy(stored[k]) for k in self.model.state_dict()})
-        with torch.no_grad():
-            for name, buffer in self.model.named_buffers():  # also those not in state_dict (a frozen head)
-                buffer.copy_(torch.from_numpy(stored[name]))
+        load_all_tensors(self.model, stored)
         return True
 
     def store_personal_model(self) -> None:
         """Keep the whole model (parameters and every buffer) in :attr:`local_state`."""
-        tensors = self._all_model_tensors()
+        tensors = all_tensors(self.model)
         self.local_state.update({MODEL_PREFIX + k: v.detach().cpu().numpy().copy() for k, v in tensors.items()})
 
     def score(self, predictors: Mapping[str, Predictor]) -> tuple[float, int, dict[str, Scalar]]:
-        """Each predictor on the local test split (``correct-<name>`` when there are several), the
-        reported one also as ``correct`` and on the global test set; the loss is the head's:
-        (loss, num_test, metrics)."""
+        """(loss, num_test, metrics) of :func:`~protofl.federation.scoring.local_scores`, reporting
+        the predictor the method's ``inference`` option names (without it, or when it is not among
+        them, the first)."""
         inference = getattr(self.options, "inference", None)
         reported = inference if inference in predictors else next(iter(predictors))
-        features, logits = self.forward(self.data.test_x)
-        loss, _ = head_loss_and_correct(logits, self.data.test_y)
-        y = self.data.test_y
-        correct = {name: int((predict(features, logits) == y).sum()) for name, predict in predictors.items()}
-        metrics: dict[str, Scalar] = {f"{CORRECT}-{name}": n for name, n in correct.items()} if len(correct) > 1 else {}
-        metrics |= {CORRECT: correct[reported], PARTITION_ID: self.data.partition_id}
-        if self.settings.global_test_pm:
-            metrics |= self.global_test_scores(predictors[reported], features, logits)
-        return loss, self.data.num_test, metrics
-
-    def global_test_scores(
-        self, predict: Predictor, test_features: torch.Tensor, test_logits: torch.Tensor
-    ) -> dict[str, Scalar]:
-        """FedNH's PM(L) and PM(V) of the current model on the (balanced) global test set.
-
-        PM(L) weights each class by this client's share of it in training, PM(V) weights the
-        classes it holds equally. With ``test-fraction=0`` the local test split is the global
-        test set, scored once (``test_features``, ``test_logits``).
-        """
-        s = self.settings
-        if s.test_fraction == 0:
-            y, predicted = self.data.test_y, predict(test_features, test_logits)
-        else:
-            x, y = load_global_test(s.dataset, s.data_dir, str(self.device), s.global_test_pm_per_class,
-                                    s.normalisation)
-            predicted = predict(*self.forward(x))
-        correct = torch.bincount(y[predicted == y], minlength=self.data.num_classes).cpu().numpy()
-        tested = torch.bincount(y, minlength=self.data.num_classes).cpu().numpy()
-        counts = self.data.class_counts()
-        return {
-            PM_L: class_weighted_accuracy(correct, tested, counts),
-            PM_V: class_weighted_accuracy(correct, tested, counts > 0),
-        }
+        return local_scores(self.forward, self.data, predictors, reported, self.settings)

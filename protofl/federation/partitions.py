@@ -14,16 +14,25 @@ is a claim, and a claim is only believed when it fits what the server knows:
   and a node's sizes must be that partition's;
 - a partition claimed by two live nodes is given to neither (logged) until one of them is gone: a
   node that restarts under a new node id gets its partition back once the old id has left.
+
+:class:`PartitionDiscovery` runs the protocol on Flower's client manager each round;
+:class:`PartitionRegistry` holds the claims and decides what to believe.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
+from flwr.common import GetPropertiesIns
 from flwr.common.logger import log
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
 
 from protofl.federation.wire import (
     NUM_PARTITIONS,
@@ -40,6 +49,8 @@ DISCOVERY_ATTEMPTS = 3
 
 # (num_partitions, partition_id) -> the partition's sizes as the server's data gives them
 ExpectedSizes = Callable[[int, int], PartitionSizes]
+# partition_id -> (training size, test size, class counts or None), or None when nothing is known
+KnownSizes = Callable[[int], "tuple[int, int, np.ndarray | None] | None"]
 
 
 @dataclass(frozen=True)
@@ -153,3 +164,72 @@ class PartitionRegistry:
         if key not in self.warned:
             self.warned.add(key)
             log(WARNING, message, *args)
+
+
+class PartitionDiscovery:
+    """Which live node holds which partition, found by asking the nodes (``get_properties``)."""
+
+    properties_timeout = 120.0
+    poll = 1.0  # seconds between queries of newly listed nodes while partitions lack a holder
+
+    def __init__(self, num_partitions: int = 0, expected: ExpectedSizes | None = None) -> None:
+        self.registry = PartitionRegistry(num_partitions, expected)
+        self.nodes: dict[int, ClientProxy] = {}  # partition id -> the node holding it
+        self.waited_for_all = False
+
+    def discover(self, client_manager: ClientManager) -> None:
+        """Ask the nodes not asked yet (and those whose query failed) for their partition; the
+        first time, wait for as many nodes as the run has partitions, then fix that number.
+        :attr:`nodes` becomes the believed holders among the live nodes."""
+        timeout = int(self.properties_timeout)
+        client_manager.wait_for(1, timeout=timeout)
+        self._query(client_manager)
+        if not self.waited_for_all:
+            self.waited_for_all = True
+            deadline = time.monotonic() + timeout
+            while self._waiting_for_nodes(client_manager) and time.monotonic() < deadline:
+                time.sleep(self.poll)
+                self._query(client_manager)
+            self.registry.freeze()
+        live = client_manager.all()
+        self.nodes = {pid: live[node] for pid, node in self.registry.holders(live).items()}
+
+    def _waiting_for_nodes(self, client_manager: ClientManager) -> bool:
+        """Whether partitions lack a holder while fewer nodes than partitions have answered: nodes
+        still starting, or a restarted node (a new id) whose dead id is still listed (until its
+        heartbeat lapses, up to 60 s) and fails its query."""
+        expected = self.registry.num_partitions or 0
+        live = client_manager.all()
+        answered = sum(node in self.registry.claims or node in self.registry.refused for node in live)
+        return len(self.registry.holders(live)) < expected and answered < expected
+
+    def _query(self, client_manager: ClientManager) -> None:
+        live = client_manager.all()
+        nodes = [live[node] for node in self.registry.to_query(live)]
+        ins = GetPropertiesIns(config={})
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(nodes)))) as pool:
+            replies = list(pool.map(lambda p: _answer(p.get_properties, ins, self.properties_timeout, 0), nodes))
+        for proxy, reply in zip(nodes, replies):
+            self.registry.record(proxy.cid, reply if isinstance(reply, BaseException) else reply.properties)
+
+    def available(self, client_manager: ClientManager) -> list[int]:
+        """The partitions whose holder is live, in order."""
+        live = client_manager.all()
+        return sorted(pid for pid, proxy in self.nodes.items() if proxy.cid in live)
+
+    def known_sizes(self, partition_id: int) -> tuple[int, int, np.ndarray | None] | None:
+        """(training size, test size, class counts or None) of a partition: from the server's data
+        where it has them, else from its holder's claim; None when neither is known."""
+        sizes = self.registry.sizes(partition_id)
+        if sizes is not None:
+            return int(sizes.train_counts.sum()), sizes.num_test, sizes.train_counts
+        proxy = self.nodes.get(partition_id)
+        claim = self.registry.claims.get(proxy.cid) if proxy is not None else None
+        return (claim.num_train, claim.num_test, None) if claim is not None else None
+
+
+def _answer(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # a node that cannot answer is skipped, not fatal
+        return err

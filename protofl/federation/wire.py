@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from flwr.common import Parameters, Scalar
+from flwr.common import Code, EvaluateRes, FitRes, Parameters, Scalar, Status
 
 from protofl.settings import is_int, is_number
+from protofl.task.privacy import privatize_class_means
 
 ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "bool"})
 NPY_MAGIC = b"\x93NUMPY"
@@ -184,6 +185,22 @@ def checkpointed_round(config: Mapping[str, Scalar]) -> int:
     return int(config.get(CHECKPOINTED_ROUND, server_round(config) - 1))
 
 
+def evaluation_as_fit_metrics(loss: float, num_examples: int, metrics: Mapping[str, Scalar]) -> dict[str, Scalar]:
+    """An evaluate reply's parts as the ``EVALUATED`` metrics of a fit reply (``EVALUATE_ROUND``)."""
+    return {EVALUATED + k: v for k, v in metrics.items()} | {
+        f"{EVALUATED}loss": float(loss), f"{EVALUATED}num-examples": num_examples,
+    }
+
+
+def embedded_evaluation(res: FitRes) -> EvaluateRes:
+    """The evaluation a fit reply carries (:func:`evaluation_as_fit_metrics`) as an evaluate reply,
+    unchecked: the server checks it like any other."""
+    metrics = {k[len(EVALUATED):]: v for k, v in dict(res.metrics).items()
+               if isinstance(k, str) and k.startswith(EVALUATED)}
+    loss, num_examples = metrics.pop("loss", None), metrics.pop("num-examples", None)
+    return EvaluateRes(Status(Code.OK, ""), loss, num_examples, metrics)
+
+
 # ---------------------------------------------------------------------------------------
 # Typed payloads
 # ---------------------------------------------------------------------------------------
@@ -217,6 +234,12 @@ class ClassStatistics:
         if expected_counts is not None and not np.array_equal(counts, expected_counts):
             raise PayloadError("class counts differ from the partition's own")
         return cls(means, counts)
+
+    def privatized(self, clip: float, noise: float) -> "ClassStatistics":
+        """Differentially private means (``dp-clip``, ``dp-noise``): clipped, with Gaussian noise
+        from the OS's entropy, never from the run seed, which the server knows."""
+        means = privatize_class_means(self.means, self.counts, clip, noise, np.random.default_rng())
+        return ClassStatistics(means, self.counts)
 
 
 @dataclass(frozen=True)

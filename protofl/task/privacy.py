@@ -11,6 +11,9 @@ and any shared model parameters, which travel as they are.
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Iterable, Mapping
+
 import numpy as np
 
 
@@ -41,3 +44,23 @@ def prototype_epsilon(noise: float, releases: int, delta: float) -> float:
     accountant = dp_accounting.rdp.RdpAccountant()
     accountant.compose(dp_accounting.GaussianDpEvent(noise / 2.0), releases)  # sensitivity 2 * clip
     return float(accountant.get_epsilon(delta))
+
+
+class ReleaseLedger:
+    """The rounds in which each partition released DP class vectors; the run's epsilon is its most
+    frequent releaser's."""
+
+    def __init__(self, releases: Mapping[str, int] | None = None) -> None:
+        self.releases: Counter[int] = Counter({int(pid): int(n) for pid, n in (releases or {}).items()})
+
+    def record(self, partitions: Iterable[int]) -> None:
+        """One release by each of ``partitions``."""
+        self.releases.update(partitions)
+
+    def epsilon(self, noise: float, delta: float) -> float | None:
+        """The run's epsilon at ``delta`` so far; None before any release."""
+        return prototype_epsilon(noise, max(self.releases.values()), delta) if self.releases else None
+
+    def state(self) -> dict[str, int]:
+        """The release counts by partition (JSON keys), as :class:`ReleaseLedger` takes them back."""
+        return {str(pid): count for pid, count in self.releases.items()}

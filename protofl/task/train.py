@@ -257,6 +257,15 @@ class FeatureSums:
         """C x d float32 mean features; zero rows for classes never seen."""
         return (self.sums / self.counts.clamp(min=1).unsqueeze(1)).cpu().numpy()
 
+    def means_filled(self, held: np.ndarray, fallback: Callable[[], np.ndarray]) -> np.ndarray:
+        """:meth:`means`, with the rows of ``held`` classes never seen (all their samples in skipped
+        batches) taken from ``fallback()``, called only when there are such rows."""
+        means = self.means()
+        missing = held & (self.counts.cpu().numpy() == 0)
+        if missing.any():
+            means[missing] = fallback()[missing]
+        return means
+
 
 def nearest_prototype(
     features: torch.Tensor, prototypes: torch.Tensor, available: torch.Tensor

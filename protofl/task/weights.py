@@ -24,6 +24,19 @@ def set_weights(model: torch.nn.Module, weights: Sequence[np.ndarray]) -> None:
     )
 
 
+def all_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model (also those not in ``state_dict``), by name."""
+    return dict(model.named_buffers()) | model.state_dict(keep_vars=True)
+
+
+def load_all_tensors(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Load :func:`all_tensors`' arrays back: the ``state_dict`` entries and every buffer."""
+    model.load_state_dict({k: torch.from_numpy(arrays[k]) for k in model.state_dict()})
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # also those not in state_dict (a frozen head)
+            buffer.copy_(torch.from_numpy(arrays[name]))
+
+
 def weighted_average(
     arrays_per_client: Sequence[Sequence[np.ndarray]], weights: Sequence[float]
 ) -> list[np.ndarray]:

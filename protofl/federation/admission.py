@@ -1,0 +1,244 @@
+"""Admission: every check a client's reply passes before the server rule sees it.
+
+A reply is admitted only when it comes from a node asked this round, once; when its partition id
+is the one that node holds, its sizes are that partition's (:mod:`protofl.federation.partitions`),
+its losses finite, its parameters the shapes and dtypes the server sent and its class statistics
+well formed (:class:`~protofl.federation.wire.ClassStatistics`); and when the method's own
+``check_update`` accepts it. Then the round's magnitude screen (``screen-factor``) compares the
+updates with each other. Whatever is wrong, the reply is dropped with a logged reason (a record
+for results.json's ``dropped``) and the others go on without it. After the server rule,
+:func:`output_problem` keeps a non-finite or misshapen aggregate from going out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from flwr.common import FitRes, Scalar
+from flwr.common.logger import log
+from flwr.server.client_proxy import ClientProxy
+
+from protofl.federation.partitions import KnownSizes
+from protofl.federation.wire import (
+    PARTITION_ID,
+    TRAIN_LOSS,
+    ArraySpec,
+    ClassStatistics,
+    PayloadError,
+    checked_count,
+    checked_loss,
+    decode_array,
+    rejection_reason,
+)
+from protofl.settings import ExperimentSettings, MethodOptions, is_int
+from protofl.task.models import client_architecture
+from protofl.task.robust import lower_median, outliers
+
+DIVERGED_HINT = (
+    "A non-finite train loss means local training diverged: lower lr, set max-grad-norm, "
+    "keep partial-batch='drop' with BatchNorm models (README: 'Training and BatchNorm')"
+)
+
+
+@dataclass
+class ClientUpdate:
+    """One accepted fit result, decoded and checked."""
+
+    partition_id: int
+    num_examples: int
+    parameters: list[np.ndarray]
+    statistics: ClassStatistics | None
+    metrics: dict[str, Scalar] = field(default_factory=dict)
+
+
+def stacked_statistics(updates: Sequence[ClientUpdate]) -> tuple[np.ndarray, np.ndarray]:
+    """The updates' class statistics as (K x C x d means, K x C counts)."""
+    return np.stack([u.statistics.means for u in updates]), np.stack([u.statistics.counts for u in updates])
+
+
+class Admission:
+    """The nodes asked this round, and the checks of their replies.
+
+    ``references``: the shared model entries as the server built them (the shapes and dtypes every
+    client's parameters must have); ``known_sizes(partition_id)``: what the server knows a
+    partition holds; ``check_update``: the method's own checks.
+    """
+
+    def __init__(
+        self,
+        settings: ExperimentSettings,
+        options: MethodOptions,
+        references: list[np.ndarray],
+        num_classes: int,
+        feature_dim: int,
+        loss_metrics: Sequence[str],
+        known_sizes: KnownSizes,
+        check_update: Callable[[ClientUpdate], None],
+    ) -> None:
+        self.settings, self.options, self.references = settings, options, references
+        self.num_classes, self.feature_dim, self.loss_metrics = num_classes, feature_dim, loss_metrics
+        self.known_sizes, self.check_update = known_sizes, check_update
+        self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
+        self.asked: dict[str, int] = {}  # node id -> partition, of this round's instructions
+        self.sent_parameters: list[np.ndarray] = list(references)  # what this round's clients train from
+
+    def replies(
+        self, server_round: int, stage: str, results: Sequence[tuple[ClientProxy, Any]], parse: Callable
+    ) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Each reply checked on its own: (``parse(partition_id, reply)`` of the good ones, what was
+        dropped and why). A reply must come from a node asked this round, once; whatever else is
+        wrong with it (``parse`` raises), the others go on without it."""
+        accepted, dropped, seen = [], [], set()
+        for proxy, res in results:
+            partition_id = None
+            try:
+                if proxy.cid not in self.asked:
+                    raise PayloadError("this node was not asked this round")
+                if proxy.cid in seen:
+                    raise PayloadError("a second reply from this node this round")
+                seen.add(proxy.cid)
+                partition_id = self.asked[proxy.cid]
+                accepted.append(parse(partition_id, res))
+            except Exception as err:  # whatever a client sent, the round goes on without it
+                dropped.append(drop(server_round, stage, proxy.cid, partition_id, err))
+        return accepted, dropped
+
+    def fit_update(self, partition_id: int, res: FitRes) -> ClientUpdate:
+        """A fit reply decoded and checked (raises :class:`PayloadError`)."""
+        metrics = dict(res.metrics)
+        pid = metrics.get(PARTITION_ID)
+        if not is_int(pid) or pid != partition_id:
+            raise PayloadError(f"partition-id {pid!r} is not the partition this node holds ({partition_id})")
+        known = self.known_sizes(partition_id)
+        checked_count(res.num_examples, "num_examples", 1)
+        if known is not None and res.num_examples != known[0]:
+            raise PayloadError(f"num_examples {res.num_examples} is not partition {partition_id}'s training size")
+        checked_loss(metrics.get(TRAIN_LOSS), TRAIN_LOSS)
+        for key in self.loss_metrics:  # loss values a client reports (when it does)
+            value = metrics.get(key, 0.0)
+            if not isinstance(value, float) or not 0.0 <= value < math.inf:
+                raise PayloadError(f"{key} must be a finite float >= 0, got {value!r}")
+        if len(res.parameters.tensors) != len(self.references):
+            raise PayloadError(f"{len(res.parameters.tensors)} parameter arrays, expected {len(self.references)}")
+        parameters: list[np.ndarray] = []
+        for i, (tensor, reference) in enumerate(zip(res.parameters.tensors, self.references)):
+            spec = ArraySpec(reference.shape, (reference.dtype.name,))
+            try:
+                parameters.append(decode_array(tensor, spec, self.max_payload_bytes))
+            except PayloadError as err:
+                raise PayloadError(f"parameter array {i}: {err}") from None
+        statistics = None
+        if self.options.statistics is not None:
+            statistics = ClassStatistics.from_metrics(
+                metrics, self.num_classes, self.options.statistics_dim(self.num_classes, self.feature_dim),
+                res.num_examples, self.max_payload_bytes, expected_counts=known[2] if known else None,
+            )
+        update = ClientUpdate(partition_id, res.num_examples, parameters, statistics, metrics)
+        self.check_update(update)
+        return update
+
+    def screen(
+        self, server_round: int, updates: list[ClientUpdate]
+    ) -> tuple[list[ClientUpdate], list[dict[str, Any]], dict[str, float]]:
+        """The default magnitude screen (``screen-factor``): an update whose parameter change, or
+        one of whose class vectors, has a norm above the factor times the round's lower median
+        (for class vectors: per class, among the clients of the same architecture) is dropped.
+        Returns (kept, what was dropped, the largest ratios to the median seen: how close honest
+        clients come to the bound)."""
+        factor = self.settings.screen_factor
+        reasons: dict[int, str] = {}
+        ratios: dict[str, float] = {}
+
+        def compare(what: str, key: str, members: Sequence[int], norms: Sequence[float]) -> None:
+            median = lower_median(norms)
+            if median > 0:
+                ratios[key] = max(ratios.get(key, 0.0), max(norms) / median)
+            for k, norm, outlier in zip(members, norms, outliers(norms, factor)):
+                if outlier:
+                    reasons.setdefault(updates[k].partition_id, f"{what} norm {norm:.3g} is above "
+                                       f"{factor:g} x the round's median {median:.3g}")
+
+        if len(updates) >= 2:
+            everyone = range(len(updates))
+            if self.sent_parameters and updates[0].parameters:
+                norms = [change_norm(u.parameters, self.sent_parameters) for u in updates]
+                compare("parameter change", "screen_parameter_ratio", everyone, norms)
+            if updates[0].statistics is not None:  # per architecture: their feature scales differ
+                means, counts = stacked_statistics(updates)
+                row_norms = np.linalg.norm(means.astype(np.float64), axis=2)
+                model = self.settings.model
+                architecture = np.array([client_architecture(model, u.partition_id) for u in updates])
+                for name in np.unique(architecture):
+                    for c in range(means.shape[1]):
+                        holders = np.flatnonzero((counts[:, c] > 0) & (architecture == name))
+                        if len(holders) > 1:
+                            compare(f"class {c} vector", "screen_prototype_ratio", holders, row_norms[holders, c])
+        node = {pid: cid for cid, pid in self.asked.items()}
+        dropped = [drop(server_round, "screen", node[pid], pid, reason) for pid, reason in reasons.items()]
+        return [u for u in updates if u.partition_id not in reasons], dropped, ratios
+
+
+def output_problem(
+    parameters: list[np.ndarray] | None, references: Sequence[np.ndarray], broadcast: dict[str, np.ndarray]
+) -> str | None:
+    """Why the server rule's output must not go out (non-finite, wrong shape), or None:
+    ``parameters`` against the ``references`` they replace, and the next round's ``broadcast``."""
+    if parameters is not None:
+        if len(parameters) != len(references):
+            return f"the aggregate has {len(parameters)} arrays, expected {len(references)}"
+        for i, (array, reference) in enumerate(zip(parameters, references)):
+            if array.shape != reference.shape or array.dtype != reference.dtype:
+                return f"aggregate array {i} is {array.dtype}{array.shape}, not {reference.dtype}{reference.shape}"
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                return f"aggregate array {i} is not finite"
+    for name, array in broadcast.items():
+        if np.asarray(array).dtype.kind == "f" and not np.isfinite(array).all():
+            return f"the broadcast {name!r} is not finite"
+    return None
+
+
+def drop(server_round: int, stage: str, node: str, partition_id: int | None, err: Any) -> dict[str, Any]:
+    """A dropped reply, logged: its record in the round's ``dropped`` list."""
+    reason = rejection_reason(err)
+    log(WARNING, "round %d: dropped the %s result of node %s: %s", server_round, stage, node, reason)
+    return {"stage": stage, "node": node, "partition": partition_id, "reason": reason}
+
+
+def too_few_updates(
+    server_round: int, usable: int, required: int, dropped: Sequence[str], failures: Sequence[str]
+) -> str:
+    """The reason a round ends the run: what happened to the updates (the commonest reasons, with
+    counts) and a hint on what to change."""
+    received = usable + len(dropped) + len(failures)
+    parts = [f"round {server_round}: {usable} of {received} client updates usable, {required} required"]
+    for label, reasons in (("dropped", dropped), ("failed", failures)):
+        if reasons:
+            common = Counter(reasons).most_common(3)
+            listed = "; ".join(f"{reason} ({count})" for reason, count in common)
+            more = len(set(reasons)) - len(common)
+            parts.append(f"{len(reasons)} {label}: {listed}" + (f"; {more} other reasons" if more > 0 else ""))
+    if any(TRAIN_LOSS in reason for reason in dropped):
+        parts.append(DIVERGED_HINT)
+    elif failures:
+        parts.append("See the failed clients' logs")
+    return ". ".join(parts)
+
+
+def describe_failure(failure: Any) -> str:
+    """A failed message (an exception, or a reply with an error status) in one line."""
+    if isinstance(failure, BaseException):
+        return f"{type(failure).__name__}: {failure}"
+    _, res = failure
+    return f"status {res.status.code}: {res.status.message}"
+
+
+def change_norm(parameters: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
+    """L2 norm of an update's change to the floating-point entries it trained from."""
+    return math.sqrt(sum(
+        float(np.sum((a.astype(np.float64) - r) ** 2)) for a, r in zip(parameters, reference) if r.dtype.kind == "f"
+    ))

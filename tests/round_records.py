@@ -1,0 +1,87 @@
+"""Every method with each of its switches, and the template's server-side switches, three rounds in
+one process (tests/inprocess.py): the round records a refactoring must leave unchanged, traffic
+included. ``tests/fixtures/round_records.json`` holds them as the code gave them when it was last
+regenerated; ``tests/test_round_records.py`` compares today's runs with it.
+
+Regenerate (only when a change is meant to change the numbers, and say so in its note):
+    python tests/round_records.py
+"""
+
+import dataclasses
+import json
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+FIXTURE = TESTS / "fixtures" / "round_records.json"
+RUN = {"dataset": "digits", "num-server-rounds": 3, "local-epochs": 1, "global-test-pm-per-class": 10}
+NODES = 3
+# what differs between two runs of the same code: clocks, and the checkpoint's size (it holds them)
+TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
+# the template's switches on the server side (discovery, admission, aggregation, evaluation)
+TEMPLATE_SWITCHES = {
+    "evaluation-message=evaluate": {"method": "fedproto", "evaluation-message": "evaluate"},
+    "fraction-fit=0.5,evaluate-clients=all": {"method": "fedavg", "fraction-fit": 0.5, "evaluate-clients": "all"},
+    "global-test-pm": {"method": "fedproto", "global-test-pm": True},
+    "screen-factor=0": {"method": "fedproto", "screen-factor": 0.0},
+    **{f"aggregation={rule}": {"method": "fedavg", "aggregation": rule}
+       for rule in ("median", "trimmed-mean", "norm-clip")},
+    **{f"prototype-aggregation={rule}": {"method": "fedproto", "prototype-aggregation": rule}
+       for rule in ("median", "trimmed-mean", "norm-clip")},
+}
+
+
+def switch_values(options_class) -> list[tuple[str, object]]:
+    """(run-config key, value) for every value but the default of each bool or ``Literal`` option."""
+    hints = typing.get_type_hints(options_class)
+    switches = []
+    for f in dataclasses.fields(options_class):
+        annotation = hints[f.name]
+        values = (True, False) if annotation is bool else typing.get_args(annotation)
+        if annotation is bool or typing.get_origin(annotation) is typing.Literal:
+            key = f.name.rstrip("_").replace("_", "-")
+            switches += [(key, value) for value in values if value != f.default]
+    return switches
+
+
+def cases() -> dict[str, dict]:
+    """Case name -> its run config, besides ``RUN``."""
+    from protofl.strategies import METHODS, get_method
+
+    found = {}
+    for method in METHODS:
+        found[method] = {"method": method}
+        for key, value in switch_values(get_method(method)[0].options_class):
+            found[f"{method}.{key}={value}"] = {"method": method, f"{method}.{key}": value}
+    return found | TEMPLATE_SWITCHES
+
+
+def machine() -> dict:
+    """What float results depend on besides the code: torch's build and the CPU kernels it picks."""
+    import torch
+
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def round_records(case: dict, output_dir: Path) -> list[dict]:
+    """The case's results.json rounds, without what varies between two runs of the same code."""
+    from inprocess import run_in_process
+
+    run_in_process(RUN | case | {"output-dir": str(output_dir), "run-name": "run"}, num_nodes=NODES)
+    results = json.loads((output_dir / "run" / "results.json").read_text())
+    assert "stopped" not in results, results["stopped"]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(TESTS))
+    records = {}
+    for name, case in cases().items():
+        with tempfile.TemporaryDirectory() as directory:
+            records[name] = round_records(case, Path(directory))
+        print(name, flush=True)
+    FIXTURE.parent.mkdir(exist_ok=True)
+    FIXTURE.write_text(json.dumps({"machine": machine(), "cases": records}, indent=1, sort_keys=True) + "\n")
+    print(f"{len(records)} cases -> {FIXTURE}")

@@ -1,0 +1,77 @@
+"""Admission (federation/admission) on its own, without a strategy or a Flower round: who may
+reply, the checks of a fit reply, the screen, and the check of what goes out."""
+
+import numpy as np
+import pytest
+from fakes import OK, FakeProxy
+from flwr.common import FitRes, ndarrays_to_parameters
+
+from protofl.federation.admission import Admission, ClientUpdate, output_problem
+from protofl.federation.wire import ClassStatistics, PayloadError
+from protofl.settings import ExperimentSettings, MethodOptions
+
+C, D = 3, 2
+REFERENCES = [np.zeros((2, 2), np.float32), np.zeros(2, np.int64)]
+COUNTS = np.array([2, 0, 1])
+
+
+def admission(check_update=lambda update: None, **settings):
+    known = {0: (3, 5, COUNTS), 1: (3, 5, COUNTS), 2: (3, 5, COUNTS)}.get
+    admitted = Admission(ExperimentSettings(**settings), MethodOptions(), REFERENCES, C, D, ("extra-loss",),
+                         known, check_update)
+    admitted.asked = {"100": 0, "101": 1, "102": 2}
+    return admitted
+
+
+def reply(pid, shift=0.0, means=None, num_examples=3, **metrics):
+    parameters = [REFERENCES[0] + np.float32(shift), REFERENCES[1]]
+    means = np.ones((C, D), np.float32) if means is None else means
+    metrics = {"partition-id": pid, "train-loss": 1.0, **ClassStatistics(means, COUNTS).to_metrics(), **metrics}
+    return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(parameters), num_examples, metrics)
+
+
+def test_only_asked_nodes_reply_once_and_a_bad_reply_drops_alone(caplog):
+    gate = admission()
+    stranger = (FakeProxy("999"), reply(0)[1])
+    results = [reply(0), reply(0), stranger, reply(1, num_examples=4), reply(2, **{"extra-loss": -1.0})]
+    updates, dropped = gate.replies(5, "fit", results, gate.fit_update)
+    assert [u.partition_id for u in updates] == [0]
+    assert [(d["node"], d["partition"], d["reason"]) for d in dropped] == [
+        ("100", None, "a second reply from this node this round"),
+        ("999", None, "this node was not asked this round"),
+        ("101", 1, "num_examples 4 is not partition 1's training size"),
+        ("102", 2, "extra-loss must be a finite float >= 0, got -1.0"),
+    ]
+    assert all(d["stage"] == "fit" for d in dropped)
+    assert "round 5: dropped the fit result of node 999: this node was not asked this round" in caplog.text
+    np.testing.assert_array_equal(updates[0].statistics.counts, COUNTS)
+
+
+def test_the_methods_own_check_drops_an_update():
+    def refuse_partition_1(update: ClientUpdate):
+        if update.partition_id == 1:
+            raise PayloadError("not this one")
+
+    gate = admission(refuse_partition_1)
+    updates, dropped = gate.replies(1, "fit", [reply(0), reply(1)], gate.fit_update)
+    assert [u.partition_id for u in updates] == [0] and dropped[0]["reason"] == "not this one"
+
+
+def test_the_screen_drops_the_update_far_above_the_rounds_median():
+    gate = admission(screen_factor=10.0)
+    results = [reply(0, shift=0.1), reply(1, shift=0.2), reply(2, shift=5.0)]
+    updates, _ = gate.replies(1, "fit", results, gate.fit_update)
+    kept, dropped, ratios = gate.screen(1, updates)
+    assert [u.partition_id for u in kept] == [0, 1]
+    assert [(d["stage"], d["node"], d["partition"]) for d in dropped] == [("screen", "102", 2)]
+    assert ratios["screen_parameter_ratio"] == pytest.approx(25.0)  # norms 0.2, 0.4, 10: 10 / the median 0.4
+    assert ratios["screen_prototype_ratio"] == pytest.approx(1.0)
+
+
+def test_what_goes_out_must_have_the_shapes_sent_and_be_finite():
+    assert output_problem(list(REFERENCES), REFERENCES, {"prototypes": np.ones((C, D))}) is None
+    assert output_problem(REFERENCES[:1], REFERENCES, {}) == "the aggregate has 1 arrays, expected 2"
+    assert output_problem([REFERENCES[0].astype(np.float64), REFERENCES[1]], REFERENCES, {}) == \
+        "aggregate array 0 is float64(2, 2), not float32(2, 2)"
+    assert output_problem([REFERENCES[0] + np.nan, REFERENCES[1]], REFERENCES, {}) == "aggregate array 0 is not finite"
+    assert output_problem(None, REFERENCES, {"anchors": np.array([np.inf])}) == "the broadcast 'anchors' is not finite"

@@ -1,0 +1,82 @@
+"""Rooms of a size one can hold in mind, and an import graph that flows one way: no module of
+protofl over 450 lines, no class over 250, no import cycle, and ``protofl.task`` importing nothing
+of the Flower side (nor Flower itself, tests/test_settings.py)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "protofl"
+MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 250
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def imported(tree: ast.Module, known: set[str]) -> set[str]:
+    """The protofl modules a module imports at load time (imports inside functions are not cycles;
+    protofl uses no relative imports)."""
+    targets = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            targets |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return {t for t in targets if t in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    trees = modules()
+    return {name: imported(tree, set(trees)) - {name} for name, tree in trees.items()}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (its modules in order), or [] when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target, path + [target])):
+                return found
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return []
+
+
+def test_no_module_or_class_is_larger_than_one_can_hold_in_mind():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{path.name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{path.name}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
+
+
+def test_the_import_graph_has_no_cycle_and_task_imports_nothing_of_the_flower_side():
+    graph = import_graph()
+    assert "protofl.task.data.registry" in graph["protofl.task.data"]  # the graph sees package imports
+    assert "protofl.federation.admission" in graph["protofl.federation.server"]
+    assert cycle(graph) == []
+    task = {name: sorted(t for t in targets if not t.startswith("protofl.task"))
+            for name, targets in graph.items() if name.startswith("protofl.task")}
+    assert {name: targets for name, targets in task.items() if targets} == {}
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) == []
