@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The docker compose demo, built and run for real: the insecure demo, then the TLS + SuperNode
-# authentication variant, each a 2-round FedProto run on digits with 2 SuperNodes, its results.json
+# authentication variant behind the edge (the operator's flwr through deploy/operator_tunnel.py,
+# outsiders refused), each a 2-round FedProto run on digits with 2 SuperNodes, its results.json
 # and the containers' logs checked. Run as root from a checkout set up with ./setup.sh:
 #
 #   deploy/compose_e2e.sh
@@ -25,6 +26,7 @@ chmod 755 "$work"  # the containers' user reads the credentials below it
 project=protofl-e2e-$$
 compose_files=()
 dockerd_pid=
+tunnel_pid=
 
 log() { echo "[compose-e2e $(date +%H:%M:%S)] $*"; }
 
@@ -39,6 +41,7 @@ down() {
 cleanup() {
   status=$?
   down last
+  [ -z "$tunnel_pid" ] || kill "$tunnel_pid" 2>/dev/null || true
   [ $status -eq 0 ] || { log "failed; the containers' logs:"; tail -n 60 "$work"/*.log 2>/dev/null || true; }
   rm -f deploy/build/compose-e2e-ca.crt
   if [ -n "$dockerd_pid" ]; then
@@ -95,29 +98,37 @@ fi
 export SUPERLINK_PORT=$(cd deploy && "$python" -c "import native; print(native.free_port())")
 export SUPERLINK_PUBLIC_ADDRESS=127.0.0.1 SUPERLINK_PUBLIC_PORT=$((SUPERLINK_PORT + 1))
 export CREDENTIALS_DIR=$work/credentials
-flwr_side() {  # flwr_side register|run <variant> [args]: deploy/compose_e2e.py against the published port
+[ "$FLOWER_IMAGES" = flwr ] || export EDGE_BASE_IMAGE=protofl-debian:bookworm
+tunnel_port=$((SUPERLINK_PORT + 2))
+flwr_side() {  # flwr_side register|run|attack <variant> [args]: deploy/compose_e2e.py
   local action=$1 variant=$2
   shift 2
-  "$python" deploy/compose_e2e.py "$action" --port "$SUPERLINK_PORT" --home "$work/$variant-home" \
-    ${tls:+--root-certificates "$CREDENTIALS_DIR/ca.crt"} "$@"
+  "$python" deploy/compose_e2e.py "$action" --home "$work/$variant-home" "$@"
 }
-tls=
 
 log "insecure demo: build and start"
-compose_files=(-f docker-compose.yml)
+compose_files=(-f docker-compose.yml -f docker-compose.override.yml)
 compose build --quiet
 compose up -d
-flwr_side run insecure --name insecure --compose "docker-compose --project-name $project ${compose_files[*]}"
+flwr_side run insecure --port "$SUPERLINK_PORT" --name insecure \
+  --compose "docker-compose --project-name $project ${compose_files[*]}"
 down insecure
 
-log "TLS + SuperNode authentication: credentials, the SuperLink, key registration, the rest"
+log "TLS + SuperNode authentication behind the edge: credentials, the SuperLink and the edge, the operator's tunnel"
 "$python" deploy/make_credentials.py --out "$CREDENTIALS_DIR" --supernodes 2 >/dev/null
+"$python" deploy/make_credentials.py --out "$work/stranger" --supernodes 0 >/dev/null  # another CA
 chown -R 49999:49999 "$CREDENTIALS_DIR"  # the images' user; the CA key is elsewhere ($CREDENTIALS_DIR-ca)
 compose_files=(-f docker-compose.yml -f deploy/compose.tls.yml -f deploy/compose.auth.yml)
-tls=1
-compose up -d superlink
-flwr_side register tls --keys "$CREDENTIALS_DIR"/supernode-1.pub "$CREDENTIALS_DIR"/supernode-2.pub
+compose build --quiet edge
+compose up -d superlink edge
+"$python" deploy/operator_tunnel.py --edge "127.0.0.1:$SUPERLINK_PUBLIC_PORT" --listen "127.0.0.1:$tunnel_port" \
+  --credentials "$CREDENTIALS_DIR" --server-name localhost >"$work/tunnel.log" 2>&1 &
+tunnel_pid=$!
+log "outsiders at the edge, key registration through the operator's tunnel, the rest"
+flwr_side attack outsider --port "$SUPERLINK_PUBLIC_PORT" --root-certificates "$CREDENTIALS_DIR/ca.crt" \
+  --stranger "$work/stranger" --compose "docker-compose --project-name $project ${compose_files[*]}"
+flwr_side register edge --port "$tunnel_port" --keys "$CREDENTIALS_DIR"/supernode-1.pub "$CREDENTIALS_DIR"/supernode-2.pub
 compose up -d
-flwr_side run tls --name tls --compose "docker-compose --project-name $project ${compose_files[*]}"
-down tls
+flwr_side run edge --port "$tunnel_port" --name edge --compose "docker-compose --project-name $project ${compose_files[*]}"
+down edge
 log "passed"

@@ -8,6 +8,9 @@ Writes into ``--out`` (default ``deploy/credentials``), the files that are deplo
 - ``supernode-<i>``, ``supernode-<i>.pub`` for i = 1..``--supernodes``: NIST P-384 key pairs in
   OpenSSH format, as ``flower-supernode --auth-supernode-private-key`` and
   ``flwr supernode register`` read them;
+- ``operator.crt``, ``operator.key``: the operator's client certificate, signed by that CA, which
+  the edge (``deploy/edge.py``) asks of whoever uses the Control API from outside; it stays on the
+  operator's machine (``deploy/operator_tunnel.py`` presents it);
 - ``superexec.secret``: a random shared secret with which the ServerApp's SuperExec authenticates
   to the SuperLink's runtime API (``--superexec-auth-secret-file``, experimental in Flower 1.41);
 
@@ -119,6 +122,14 @@ def make_credentials(
     _write(written[1], _pem_key(ca_key), private=True)
     _write(written[2], server_cert.public_bytes(serialization.Encoding.PEM))
     _write(written[3], _pem_key(server_key), private=True)
+    operator_key = ec.generate_private_key(ec.SECP384R1())
+    operator_cert = _certificate(_name("operator"), operator_key.public_key(), ca_name, ca_key, days, [
+        (x509.BasicConstraints(ca=False, path_length=None), True),
+        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False),
+    ])
+    written += [out / "operator.crt", out / "operator.key"]
+    _write(written[-2], operator_cert.public_bytes(serialization.Encoding.PEM))
+    _write(written[-1], _pem_key(operator_key), private=True)
     for index in range(1, supernodes + 1):
         node_key = ec.generate_private_key(ec.SECP384R1())
         private, public = out / f"supernode-{index}", out / f"supernode-{index}.pub"

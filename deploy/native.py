@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,16 +20,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import edge
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILES = {
     "base": ROOT / "docker-compose.yml",
+    "local": ROOT / "docker-compose.override.yml",  # the SuperLink published on loopback
     "tls": ROOT / "deploy" / "compose.tls.yml",
     "auth": ROOT / "deploy" / "compose.auth.yml",
     "gpu": ROOT / "deploy" / "compose.gpu.yml",
 }
 BIN = Path(sys.executable).parent  # flower-superlink, flwr ... of this environment
+NGINX = shutil.which("nginx") or next((p for p in ["/usr/sbin/nginx"] if os.path.exists(p)), None)  # the edge
 MERGED_LISTS = ("volumes", "ports", "depends_on")  # compose appends these; other lists are replaced
 
 
@@ -62,7 +66,7 @@ def _interpolate(value: Any, environ: Mapping[str, str]) -> Any:
 
 
 def load_compose(*variants: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """``docker-compose.yml`` with the named override files (``tls``, ``auth``, ``gpu``) merged
+    """``docker-compose.yml`` with the named override files (``local``, ``tls``, ``auth``, ``gpu``) merged
     in order and ``${...}`` substituted from ``environ``, as ``docker compose -f ... -f ...``
     does for the keys these files use."""
     merged: dict[str, Any] = {}
@@ -192,9 +196,11 @@ def start_federation(
     link: tuple[str, int],
     nodes: list[tuple[str, int, str | None]],
     before_nodes: Callable[[], None] = lambda: None,
+    node_link: str | None = None,
 ) -> dict[str, str]:
     """The SuperLink and the ServerApp's SuperExec at ``link`` (host, port); then, for each
-    (host, port, network namespace or None) in ``nodes``, SuperNode i and its ClientApp SuperExec.
+    (host, port, network namespace or None) in ``nodes``, SuperNode i and its ClientApp SuperExec;
+    the SuperNodes dial ``node_link`` (host:port; default the SuperLink, or an edge in front of it).
     Returns the address replacements used (compose address -> native address)."""
     host, port = link
     addresses = {"superlink:8000": f"{host}:{port}"}
@@ -205,10 +211,58 @@ def start_federation(
     before_nodes()
     for i, (node_host, node_port, netns) in enumerate(nodes, 1):
         node, clientapp = f"supernode-{i}", f"superexec-clientapp-{i}"
-        deployment.start(node, service_command(compose, node, node_host, node_port, addresses), netns)
+        dials = addresses | ({"superlink:8000": node_link} if node_link else {})
+        deployment.start(node, service_command(compose, node, node_host, node_port, dials), netns)
         deployment.start(clientapp, service_command(compose, clientapp, node_host, None, addresses), netns,
                          service_environment(compose, clientapp))
     return addresses
+
+
+def start_edge(deployment: NativeDeployment, link: tuple[str, int], listen: tuple[str, int],
+               operator: str = "mtls") -> Path:
+    """The edge (deploy/edge.py) as an nginx process on ``listen`` in front of the SuperLink at
+    ``link``, with the deployment's credentials; returns its directory (``edge.conf``,
+    ``access.log``)."""
+    directory = deployment.workdir / "edge"
+    directory.mkdir(parents=True, exist_ok=True)
+    conf = directory / "edge.conf"
+    conf.write_text(edge.render(
+        listen=f"{listen[0]}:{listen[1]}", upstream=f"{link[0]}:{link[1]}", upstream_name="localhost",
+        credentials=str(deployment.credentials), run_dir=str(directory), operator=operator,
+        access_log=str(directory / "access.log"),
+    ))
+    if NGINX is None:
+        raise FileNotFoundError("the edge needs nginx: apt-get install nginx-light")
+    deployment.start("edge", [NGINX, "-c", str(conf), "-p", str(directory), "-g", "daemon off;"])
+    wait_for_port(*listen, timeout=30)
+    return directory
+
+
+def register_keys(home: Path, keys: list[Path]) -> None:
+    """``flwr supernode register`` each public key with the connection "deployment" of ``home``."""
+    for key in keys:
+        registered = flwr(home, ["supernode", "register", str(key), "deployment"], timeout=60)
+        if registered.returncode != 0:
+            raise RuntimeError(f"registering {key} failed:\n{registered.stdout}{registered.stderr}")
+
+
+def start_behind_edge(deployment: NativeDeployment, link: tuple[str, int], public: tuple[str, int],
+                      tunnel: tuple[str, int], nodes: list[tuple[str, int, str | None]], operator: Path) -> None:
+    """The TLS + SuperNode-auth federation with the SuperLink at ``link``, the edge on ``public``
+    (which the SuperNodes dial) and the operator's tunnel (deploy/operator_tunnel.py) on ``tunnel``,
+    through which ``operator`` (a Flower home, :func:`cli_home`) registers the SuperNodes' keys."""
+    credentials = deployment.credentials
+
+    def edge_tunnel_and_keys() -> None:
+        start_edge(deployment, link, public)
+        deployment.start("operator-tunnel", [
+            sys.executable, str(ROOT / "deploy" / "operator_tunnel.py"), "--edge", f"{public[0]}:{public[1]}",
+            "--listen", f"{tunnel[0]}:{tunnel[1]}", "--credentials", str(credentials), "--server-name", "localhost"])
+        wait_for_port(*tunnel, timeout=30)
+        register_keys(operator, [credentials / f"supernode-{i}.pub" for i in range(1, len(nodes) + 1)])
+
+    start_federation(deployment, load_compose("tls", "auth"), link, nodes, before_nodes=edge_tunnel_and_keys,
+                     node_link=f"{public[0]}:{public[1]}")
 
 
 def cli_home(directory: Path, address: str, root_certificates: Path | None = None) -> Path:

@@ -15,7 +15,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = [(), ("tls",), ("tls", "auth"), ("gpu",), ("tls", "auth", "gpu")]
+# as the README combines them: docker-compose.override.yml ("local") publishes the SuperLink on loopback,
+# and the auth variant leaves it out (its edge is the only published port)
+VARIANTS = [("local",), ("local", "tls"), ("tls", "auth"), ("local", "gpu"), ("tls", "auth", "gpu")]
+EDGE_DOCKERFILE = "deploy/edge.Dockerfile"
 CREDENTIAL_FILES = {"ca.crt", "server.pem", "server.key"}  # + supernode-<i>, as make_credentials.py writes
 
 
@@ -37,6 +40,8 @@ def option(command, flag):
 def test_every_flag_exists_in_the_installed_binaries(variant):
     compose = native.load_compose(*variant)
     for name, service in compose["services"].items():
+        if service.get("build", {}).get("dockerfile") == EDGE_DOCKERFILE:
+            continue  # nginx, configured by deploy/edge.py (tests/test_edge.py)
         binary = native.entry_point(service)
         flags = {token.split("=")[0] for token in service["command"] if token.startswith("--")}
         unknown = flags - known_flags(binary)
@@ -78,7 +83,10 @@ def test_topology_each_supernode_has_its_partition_and_its_clientapp(variant):
     assert sorted(partition_ids) == list(range(len(nodes)))
     superlink = compose["services"]["superlink"]
     assert option(superlink["command"], "--port") == "8000"
-    assert "127.0.0.1:8000:8000" in superlink["ports"]  # the operator's flwr CLI, on this host
+    if "auth" in variant:
+        assert "ports" not in superlink  # behind the edge
+    else:
+        assert "127.0.0.1:8000:8000" in superlink["ports"]  # the operator's flwr CLI, on this host
     assert option(superlink["command"], "--database").startswith("state/")
     assert "superlink-state:/app/state" in superlink["volumes"]  # state survives the container
     assert option(compose["services"]["superexec-serverapp"]["command"], "--runtime-api-address") == "superlink:8000"
@@ -113,30 +121,35 @@ def published(service) -> list[tuple[str, str, str]]:
     return entries
 
 
-@pytest.mark.parametrize("variant", [(), ("tls",), ("gpu",)], ids=lambda v: "+".join(v) or "base")
+@pytest.mark.parametrize("variant", [(), ("local",), ("local", "tls"), ("local", "gpu")],
+                         ids=lambda v: "+".join(v) or "base")
 def test_without_supernode_auth_only_loopback_is_published(variant):
     """Whoever reaches the SuperLink can start runs, i.e. run code in every container: without TLS and
     SuperNode authentication its port is reachable from this host only, and nothing else is published."""
     for name, service in native.load_compose(*variant, environ={})["services"].items():
         ports = published(service)
-        if name != "superlink":
+        if name != "superlink" or "local" not in variant:  # the base file alone publishes nothing
             assert not ports, name
         else:
             assert ports and {address for address, _, _ in ports} == {"127.0.0.1"}
 
 
-def test_only_the_auth_variant_publishes_beyond_loopback_and_where_is_chosen():
-    ports = published(native.load_compose("tls", "auth", environ={})["services"]["superlink"])
-    assert ("127.0.0.1", "8000", "8000") in ports and ("0.0.0.0", "9443", "8000") in ports
+def test_the_auth_variant_publishes_only_the_edge_and_where_is_chosen():
+    services = native.load_compose("tls", "auth", environ={})["services"]
+    assert {name: published(service) for name, service in services.items() if published(service)} == {
+        "edge": [("0.0.0.0", "9443", "9443")]}  # the SuperLink itself: no host port at all
     chosen = native.load_compose("tls", "auth", environ={"SUPERLINK_PUBLIC_ADDRESS": "10.0.0.5",
                                                           "SUPERLINK_PUBLIC_PORT": "443", "SUPERLINK_PORT": "18000"})
-    assert published(chosen["services"]["superlink"]) == [("127.0.0.1", "18000", "8000"), ("10.0.0.5", "443", "8000")]
+    assert published(chosen["services"]["edge"]) == [("10.0.0.5", "443", "9443")]
+    edge = services["edge"]
+    assert edge["build"]["dockerfile"] == EDGE_DOCKERFILE and edge["depends_on"] == ["superlink"]
 
 
 @pytest.mark.parametrize("variant", [("tls",), ("tls", "auth")], ids="+".join)
 def test_each_container_mounts_only_the_credentials_it_needs(variant):
     """No directory of credentials is mounted, the CA key nowhere, a SuperNode's key only into that SuperNode."""
-    needs = {"superlink": {"ca.crt", "server.pem", "server.key"}, "superexec-serverapp": {"ca.crt"}}
+    needs = {"superlink": {"ca.crt", "server.pem", "server.key"}, "superexec-serverapp": {"ca.crt"},
+             "edge": {"ca.crt", "server.pem", "server.key"}}
     compose = native.load_compose(*variant, environ={"CREDENTIALS_DIR": "/creds"})
     for name, service in compose["services"].items():
         mounted = {}
@@ -145,7 +158,8 @@ def test_each_container_mounts_only_the_credentials_it_needs(variant):
             if source.startswith("/creds"):
                 assert Path(source).name == Path(target).name and volume.endswith(":ro"), volume
                 mounted[Path(source).name] = target
-        expected = needs.get(name, set()) | ({"superexec.secret"} if "auth" in variant and name in needs else set())
+        secret = "auth" in variant and name in ("superlink", "superexec-serverapp")
+        expected = needs.get(name, set()) | ({"superexec.secret"} if secret else set())
         if name.startswith("supernode-"):
             expected = {"ca.crt"} | ({name} if "auth" in variant else set())
         assert set(mounted) == expected, name
@@ -178,8 +192,9 @@ def test_gpu_variant_reserves_gpus_for_the_clientapps_only():
 
 def test_override_files_only_touch_services_of_the_base_file():
     base = set(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
-    for name in ("tls", "auth", "gpu"):
-        assert set(yaml.safe_load(native.COMPOSE_FILES[name].read_text())["services"]) <= base, name
+    for name in ("local", "tls", "auth", "gpu"):
+        added = {"edge"} if name == "auth" else set()  # the auth variant's only new service
+        assert set(yaml.safe_load(native.COMPOSE_FILES[name].read_text())["services"]) <= base | added, name
 
 
 def test_build_context_holds_only_what_the_dockerfile_copies():
@@ -187,7 +202,8 @@ def test_build_context_holds_only_what_the_dockerfile_copies():
     allowed = {line[1:].rstrip("/") for line in rules if line.startswith("!")}
     assert "*" in rules  # everything else is left out
     copied = set()
-    for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines():
+    dockerfiles = ("Dockerfile", "base.Dockerfile", "edge.Dockerfile")
+    for line in (line for name in dockerfiles for line in (ROOT / "deploy" / name).read_text().splitlines()):
         if line.startswith("COPY"):
             copied |= {token.rstrip("/") for token in line.split()[1:-1] if not token.startswith("--")}
     assert copied == allowed

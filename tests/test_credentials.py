@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives import serialization
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERNODES = 2
-DEPLOYABLE = {"ca.crt", "server.pem", "server.key", "superexec.secret"} | {
+DEPLOYABLE = {"ca.crt", "server.pem", "server.key", "superexec.secret", "operator.crt", "operator.key"} | {
     f"supernode-{i}{s}" for i in (1, 2) for s in ("", ".pub")}
-PRIVATE = ["server.key", "supernode-1", "supernode-2", "superexec.secret"]
+PRIVATE = ["server.key", "supernode-1", "supernode-2", "superexec.secret", "operator.key"]
 
 
 def mode(path):
@@ -111,6 +111,12 @@ def test_certificates_verify(tmp_path):
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert {"localhost", "superlink"} <= set(names.get_values_for_type(x509.DNSName))
     assert {"127.0.0.1", "10.0.0.5"} <= {str(a) for a in names.get_values_for_type(x509.IPAddress)}
+    operator = x509.load_pem_x509_certificate((out / "operator.crt").read_bytes())
+    operator.verify_directly_issued_by(ca)
+    operator_key = serialization.load_pem_private_key((out / "operator.key").read_bytes(), None)
+    assert operator_key.public_key() == operator.public_key()
+    usage = operator.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]  # a client's, not a server's
     for i in range(1, SUPERNODES + 1):
         private = serialization.load_ssh_private_key((out / f"supernode-{i}").read_bytes(), None)
         public = serialization.load_ssh_public_key((out / f"supernode-{i}.pub").read_bytes())

@@ -68,10 +68,7 @@ def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployme
     cli_home = native.cli_home(tmp_path / "cli-home", f"127.0.0.1:{link[1]}", credentials / "ca.crt")
 
     def register():
-        for i in range(1, NUM_NODES + 1):
-            key = str(credentials / f"supernode-{i}.pub")
-            registered = native.flwr(cli_home, ["supernode", "register", key, "deployment"], timeout=60)
-            assert registered.returncode == 0, registered.stdout + registered.stderr
+        native.register_keys(cli_home, [credentials / f"supernode-{i}.pub" for i in range(1, NUM_NODES + 1)])
 
     nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
     addresses = native.start_federation(deployment, compose, link, nodes, before_nodes=register)

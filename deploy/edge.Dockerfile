@@ -1,0 +1,17 @@
+# The edge of the TLS + SuperNode-auth compose variant (deploy/compose.auth.yml): Debian's nginx with
+# protofl's edge configuration (deploy/edge.py), rendered at build time for the compose network:
+# it listens on 9443 and forwards to superlink:8000, with the credentials mounted in /app/credentials.
+# DEBIAN_IMAGE: debian:bookworm-slim from a registry, or the debootstrapped protofl-debian:bookworm
+# that deploy/compose_e2e.sh imports where no registry can be reached.
+ARG DEBIAN_IMAGE=debian:bookworm-slim
+FROM ${DEBIAN_IMAGE}
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx-light python3 \
+    && rm -rf /var/lib/apt/lists/*
+COPY deploy/edge.py deploy/edge.conf.template /tmp/edge/
+RUN python3 /tmp/edge/edge.py --out /etc/nginx/protofl-edge.conf --listen 0.0.0.0:9443 \
+        --upstream superlink:8000 --upstream-name superlink --credentials /app/credentials \
+        --run-dir /var/lib/protofl-edge \
+    && rm -rf /tmp/edge
+EXPOSE 9443
+CMD ["nginx", "-c", "/etc/nginx/protofl-edge.conf", "-g", "daemon off;"]
