@@ -322,7 +322,8 @@ def evaluation(strategy, pid, correct, **extra):
     return FakeProxy(str(100 + pid)), EvaluateRes(OK, 0.5, num_test, metrics)
 
 
-@pytest.mark.parametrize("attack", ["inflated", "bool", "missing-correct", "negative-loss", "twice", "other-size"])
+@pytest.mark.parametrize("attack", ["inflated", "bool", "missing-correct", "negative-loss", "twice", "other-size",
+                                    "invented-predictors"])
 def test_a_hostile_evaluation_is_dropped_and_the_round_keeps_its_pm(tmp_path, attack):
     strategy = make_strategy("fedproto", tmp_path, "evaluated")
     honest = [evaluation(strategy, p, strategy.discovery.registry.sizes(p).num_test // 2) for p in range(N - 1)]
@@ -334,6 +335,8 @@ def test_a_hostile_evaluation_is_dropped_and_the_round_keeps_its_pm(tmp_path, at
         "negative-loss": [(proxy, EvaluateRes(OK, -1e9, res.num_examples, {"correct": 1}))],
         "twice": [(proxy, res), (proxy, EvaluateRes(OK, 0.0, res.num_examples, {"correct": res.num_examples}))],
         "other-size": [(proxy, EvaluateRes(OK, 0.0, res.num_examples - 1, {"correct": res.num_examples - 1}))],
+        "invented-predictors": [(proxy, EvaluateRes(OK, 0.1, res.num_examples, {"correct": 1} | {
+            f"correct-x{i}": 0 for i in range(1000)}))],  # each would be a column of results.json
     }[attack]
     _, metrics = strategy.aggregate_evaluate(1, honest + sent, [])
     kept = honest + sent[:1] if attack == "twice" else honest
@@ -341,6 +344,7 @@ def test_a_hostile_evaluation_is_dropped_and_the_round_keeps_its_pm(tmp_path, at
     assert metrics["personalized_accuracy"] == pytest.approx(correct / sum(r.num_examples for _, r in kept))
     record = json.loads((tmp_path / "evaluated" / "results.json").read_text())["rounds"][0]
     assert [d["stage"] for d in record["dropped"]] == ["evaluate"]
+    assert not [key for key in record if key.startswith("personalized_accuracy_x")]  # no column it invented
 
 
 def test_a_predictor_one_client_leaves_out_is_scored_over_the_others(tmp_path):

@@ -47,15 +47,18 @@ def global_model_scores(
 
 class PersonalizedEvaluation:
     """The clients' evaluations of a round's model, checked and recorded in that round; and the
-    round whose scores the next fit message asks for (``pending``)."""
+    round whose scores the next fit message asks for (``pending``). ``predictor_names``: the
+    predictors the method's clients may report (``correct-<name>``), each a field of the results."""
 
-    def __init__(self, recorder: RunRecorder, admission: Admission) -> None:
+    def __init__(self, recorder: RunRecorder, admission: Admission, predictor_names: Sequence[str]) -> None:
         self.recorder, self.admission = recorder, admission
+        self.reported_keys = {CORRECT} | {f"{CORRECT}-{name}" for name in predictor_names}
         self.pending: int | None = None  # the round the next fit message's clients score
 
     def checked(self, partition_id: int, res: EvaluateRes) -> tuple[int, EvaluateRes]:
         """An evaluation checked: its partition, its size (the partition's test size), a finite
-        loss >= 0, counts of correct predictions within its size, PM(L)/PM(V) in [0, 1]."""
+        loss >= 0, counts of correct predictions within its size, of the method's predictors only,
+        PM(L)/PM(V) in [0, 1]."""
         metrics: Mapping[str, Any] = dict(res.metrics)
         if metrics.get(PARTITION_ID, partition_id) != partition_id:
             raise PayloadError(f"partition-id {metrics.get(PARTITION_ID)!r} is not this node's ({partition_id})")
@@ -67,6 +70,8 @@ class PersonalizedEvaluation:
         if CORRECT not in metrics:
             raise PayloadError(f"missing {CORRECT!r}")
         for key, value in metrics.items():
+            if key.startswith(CORRECT) and key not in self.reported_keys:
+                raise PayloadError(f"{key!r} names no predictor of this method")
             if key.startswith(CORRECT) and not (is_int(value) and 0 <= value <= res.num_examples):
                 raise PayloadError(f"{key} must be an integer in [0, {res.num_examples}], got {value!r}")
             if key in (PM_L, PM_V) and not (is_number(value) and 0.0 <= value <= 1.0):

@@ -25,7 +25,9 @@ Hooks (see docs/adding-a-method.md):
   and passes :attr:`prototype_rule` to the class-vector math, so the run's robust rules apply;
 - ``state_fields``: the attributes that hold the method's server state (restored when a round's
   output is rejected);
-- ``broadcast_to_evaluate``: False keeps the broadcast out of the evaluate config.
+- ``broadcast_to_evaluate``: False keeps the broadcast out of the evaluate config;
+- ``predictor_names``: the predictors its clients score (``PrototypeClient.predictors``); an
+  evaluation that reports another is dropped.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class PrototypeStrategy(Strategy):
     loss_metrics: tuple[str, ...] = ()
     state_fields: tuple[str, ...] = ()
     broadcast_to_evaluate = True
+    predictor_names: tuple[str, ...] = ("head",)
 
     def __init__(
         self,
@@ -135,9 +138,7 @@ class PrototypeStrategy(Strategy):
         super().__init__()
         self.settings = settings
         self.options = self.options_class.from_settings(settings)
-        self.model = model
-        self.num_classes = num_classes
-        self.feature_dim = model.feature_dim
+        self.model, self.num_classes, self.feature_dim = model, num_classes, model.feature_dim
         self.global_test = global_test
         self.recorder = recorder or RunRecorder(settings.run_directory(), settings.as_dict())
         names = list(model.state_dict())
@@ -147,7 +148,7 @@ class PrototypeStrategy(Strategy):
         self.discovery = PartitionDiscovery(settings.num_partitions, partition_sizes)
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update)
-        self.evaluation = PersonalizedEvaluation(self.recorder, self.admission)
+        self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
         self.checkpoints = RunCheckpoints(settings, self.recorder)
         self.releases = ReleaseLedger()  # rounds each partition released DP prototypes
         self.sampled: list[int] = []

@@ -57,6 +57,7 @@ def prototype_loss(
 class FedProtoStrategy(PrototypeStrategy):
     options_class = FedProtoOptions
     state_fields = ("global_prototypes",)
+    predictor_names = ("head", "prototype")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -158,6 +158,7 @@ class FedSAStrategy(PrototypeStrategy):
     options_class = FedSAOptions
     loss_metrics = LOSS_KEYS
     state_fields = ("anchors", "global_prototypes")
+    predictor_names = ("anchor", "head", "prototype")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
