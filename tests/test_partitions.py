@@ -1,5 +1,7 @@
 """Partition claims (federation/partitions): who holds what, checked against what the server knows."""
 
+import time
+
 import numpy as np
 import pytest
 from fakes import OK, FakeProxy
@@ -82,14 +84,17 @@ def test_a_node_whose_query_failed_is_asked_again_a_few_times():
 
 
 class Node(FakeProxy):
-    """A node that answers ``get_properties`` with ``reply`` (raised when it is an exception)."""
+    """A node that answers ``get_properties`` with ``reply`` (raised when it is an exception, after
+    the whole ``timeout`` when it ``hangs``)."""
 
-    def __init__(self, cid, reply):
+    def __init__(self, cid, reply, hangs=False):
         super().__init__(cid)
-        self.reply, self.asked = reply, 0
+        self.reply, self.asked, self.hangs = reply, 0, hangs
 
     def get_properties(self, ins, timeout, group_id):
         self.asked += 1
+        if self.hangs:
+            time.sleep(timeout)  # as Flower's grid, which waits for the message's time to live
         if isinstance(self.reply, BaseException):
             raise self.reply
         return GetPropertiesRes(OK, self.reply)
@@ -104,9 +109,8 @@ class Manager(SimpleClientManager):
 
 def test_discovery_finds_the_holders_and_asks_a_failed_node_again_next_round():
     nodes = [Node("a", properties(0, n=3)), Node("b", properties(1, n=3)), Node("c", TimeoutError("no answer"))]
-    discovery = PartitionDiscovery()
-    discovery.poll = 0.0  # the first discovery waits for as many nodes as partitions
-    discovery.properties_timeout = 1.0
+    discovery = PartitionDiscovery(timeout=1.0)
+    discovery.poll, discovery.start_timeout = 0.0, 1.0  # the first discovery waits for as many nodes as partitions
     discovery.discover(Manager(nodes))
     assert {pid: node.cid for pid, node in discovery.nodes.items()} == {0: "a", 1: "b"}
     assert discovery.registry.num_partitions == 3 and nodes[2].asked == DISCOVERY_ATTEMPTS
@@ -117,3 +121,14 @@ def test_discovery_finds_the_holders_and_asks_a_failed_node_again_next_round():
     discovery.discover(Manager(nodes[:2] + [again]))
     assert sorted(discovery.nodes) == [0, 1, 2] and (nodes[0].asked, again.asked) == (1, 1)
     assert discovery.available(Manager(nodes[:1] + [again])) == [0, 2]  # b left
+
+
+def test_a_node_that_never_answers_costs_one_timeout_once():
+    hanging = Node("h", RuntimeError("Message contains an Error (reason: message expired)"), hangs=True)
+    nodes = [Node("a", properties(0, n=2)), Node("b", properties(1, n=2)), hanging]
+    discovery = PartitionDiscovery(timeout=1.0)
+    started = time.monotonic()
+    for _ in range(3):  # three rounds
+        discovery.discover(Manager(nodes))
+    assert hanging.asked == 1 and time.monotonic() - started < 2.5  # not 3 x the timeout
+    assert sorted(discovery.nodes) == [0, 1]

@@ -7,6 +7,8 @@ is a claim, and a claim is only believed when it fits what the server knows:
 - the answer must be well formed (integers, not booleans, in range); a malformed one refuses the
   node for the run;
 - a node whose query failed is asked again in the next rounds, at most ``DISCOVERY_ATTEMPTS`` times;
+  one that did not answer within the query's timeout (``round-timeout``, else
+  ``DISCOVERY_TIMEOUT``) is not asked again: a node that hangs costs one timeout, once;
 - the number of partitions is the run config's ``num-partitions``, else the value most nodes report
   (ties: the smaller), fixed once the first discovery is done; a node that reports another value,
   or an id outside it, holds nothing;
@@ -46,6 +48,7 @@ from protofl.federation.wire import (
 from protofl.task.data import PartitionSizes
 
 DISCOVERY_ATTEMPTS = 3
+DISCOVERY_TIMEOUT = 120.0  # seconds a node has to answer, and the first discovery waits for all nodes
 
 # (num_partitions, partition_id) -> the partition's sizes as the server's data gives them
 ExpectedSizes = Callable[[int, int], PartitionSizes]
@@ -92,10 +95,11 @@ class PartitionRegistry:
             if node not in self.claims and node not in self.refused and self.failed[node] < DISCOVERY_ATTEMPTS
         ]
 
-    def record(self, node_id: str, reply: Any) -> None:
-        """A node's properties, or the exception its query raised."""
+    def record(self, node_id: str, reply: Any, timed_out: bool = False) -> None:
+        """A node's properties, or the exception its query raised (``timed_out``: after the whole
+        timeout; such a node is not asked again)."""
         if isinstance(reply, BaseException):
-            self.failed[node_id] += 1
+            self.failed[node_id] = DISCOVERY_ATTEMPTS if timed_out else self.failed[node_id] + 1
             again = "asked again next round" if self.failed[node_id] < DISCOVERY_ATTEMPTS else "not asked again"
             log(WARNING, "node %s did not report its partition (%s): %s", node_id, again, rejection_reason(reply))
             return
@@ -169,10 +173,13 @@ class PartitionRegistry:
 class PartitionDiscovery:
     """Which live node holds which partition, found by asking the nodes (``get_properties``)."""
 
-    properties_timeout = 120.0
     poll = 1.0  # seconds between queries of newly listed nodes while partitions lack a holder
 
-    def __init__(self, num_partitions: int = 0, expected: ExpectedSizes | None = None) -> None:
+    def __init__(self, num_partitions: int = 0, expected: ExpectedSizes | None = None,
+                 timeout: float = DISCOVERY_TIMEOUT) -> None:
+        """``timeout``: seconds a node has to answer a query."""
+        self.properties_timeout = timeout
+        self.start_timeout = DISCOVERY_TIMEOUT  # how long the first discovery waits for every partition's node
         self.registry = PartitionRegistry(num_partitions, expected)
         self.nodes: dict[int, ClientProxy] = {}  # partition id -> the node holding it
         self.waited_for_all = False
@@ -181,12 +188,11 @@ class PartitionDiscovery:
         """Ask the nodes not asked yet (and those whose query failed) for their partition; the
         first time, wait for as many nodes as the run has partitions, then fix that number.
         :attr:`nodes` becomes the believed holders among the live nodes."""
-        timeout = int(self.properties_timeout)
-        client_manager.wait_for(1, timeout=timeout)
+        client_manager.wait_for(1, timeout=int(self.start_timeout))
         self._query(client_manager)
         if not self.waited_for_all:
             self.waited_for_all = True
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + self.start_timeout
             while self._waiting_for_nodes(client_manager) and time.monotonic() < deadline:
                 time.sleep(self.poll)
                 self._query(client_manager)
@@ -209,8 +215,10 @@ class PartitionDiscovery:
         ins = GetPropertiesIns(config={})
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(nodes)))) as pool:
             replies = list(pool.map(lambda p: _answer(p.get_properties, ins, self.properties_timeout, 0), nodes))
-        for proxy, reply in zip(nodes, replies):
-            self.registry.record(proxy.cid, reply if isinstance(reply, BaseException) else reply.properties)
+        for proxy, (reply, seconds) in zip(nodes, replies):
+            failed = isinstance(reply, BaseException)
+            self.registry.record(proxy.cid, reply if failed else reply.properties,
+                                 timed_out=failed and seconds >= 0.9 * self.properties_timeout)
 
     def available(self, client_manager: ClientManager) -> list[int]:
         """The partitions whose holder is live, in order."""
@@ -228,8 +236,12 @@ class PartitionDiscovery:
         return (claim.num_train, claim.num_test, None) if claim is not None else None
 
 
-def _answer(fn, *args):
+def _answer(fn, *args) -> tuple[Any, float]:
+    """(the reply, or the exception raised: a node that cannot answer is skipped, not fatal;
+    the seconds it took)."""
+    started = time.monotonic()
     try:
-        return fn(*args)
-    except Exception as err:  # a node that cannot answer is skipped, not fatal
-        return err
+        reply = fn(*args)
+    except Exception as err:
+        reply = err
+    return reply, time.monotonic() - started

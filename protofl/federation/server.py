@@ -64,7 +64,7 @@ from protofl.federation.admission import (
 )
 from protofl.federation.checkpoint import Checkpoint, RunCheckpoints
 from protofl.federation.evaluation import PersonalizedEvaluation, global_model_scores
-from protofl.federation.partitions import ExpectedSizes, PartitionDiscovery
+from protofl.federation.partitions import DISCOVERY_TIMEOUT, ExpectedSizes, PartitionDiscovery
 from protofl.federation.wire import (
     EVALUATE_ROUND,
     TRAIN_LOSS,
@@ -145,7 +145,8 @@ class PrototypeStrategy(Strategy):
         self.initial_weights = [v.detach().cpu().numpy() for v in model.state_dict().values()]
         self.shared_indices = [i for i, name in enumerate(names) if self.options.shares(name)]
         self.has_global_model = len(self.shared_indices) == len(names)
-        self.discovery = PartitionDiscovery(settings.num_partitions, partition_sizes)
+        self.discovery = PartitionDiscovery(settings.num_partitions, partition_sizes,
+                                            settings.round_timeout or DISCOVERY_TIMEOUT)
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
