@@ -89,8 +89,8 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
     def server_fn(context: Context) -> ServerAppComponents:
         settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
         directory = settings.run_directory()
-        checkpoint = open_run(settings, directory)
         strategy_class, _ = get_method(settings.method)
+        checkpoint = open_run(settings, directory, strategy_class.options_class.run_config_defaults())
         dataset = load_dataset(settings.dataset, settings.data_dir, settings.normalisation)
         model = build_method_model(settings, dataset)
         global_test = None  # pool='train+test': the test set is in the partitions, no GM

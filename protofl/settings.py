@@ -125,6 +125,11 @@ class MethodOptions:
         options.check()
         return options
 
+    @classmethod
+    def run_config_defaults(cls) -> dict[str, Any]:
+        """Each option's key in the method's run-config table, and its default."""
+        return {f.name.rstrip("_").replace("_", "-"): f.default for f in dataclasses.fields(cls)}
+
     def check(self) -> None:
         """Raise ``ValueError`` for values out of range."""
 
@@ -306,16 +311,23 @@ class ExperimentSettings:
         )
         return (Path(self.output_dir).expanduser() / name).resolve()
 
-    def resume_conflicts(self, saved: Mapping[str, Any]) -> list[str]:
+    def resume_conflicts(self, saved: Mapping[str, Any], option_defaults: Mapping[str, Any] | None = None) -> list[str]:
         """The run-config keys whose values differ from a checkpoint's settings (``saved``: its
-        :meth:`as_dict`), except those a resumed run may change (``RESUMABLE``)."""
+        :meth:`as_dict`), except those a resumed run may change (``RESUMABLE``). A key the
+        checkpoint lacks (written before the key existed) counts as its default, the method's
+        options' from ``option_defaults`` (:meth:`MethodOptions.run_config_defaults`)."""
 
         def keyed(values: Mapping[str, Any]) -> dict[str, Any]:
             options = {f"{values.get('method')}.{k}": v for k, v in (values.get("options") or {}).items()}
             top = {k.replace("_", "-"): v for k, v in values.items() if k != "options" and k not in RESUMABLE}
             return top | options
 
-        now, then = keyed(self.as_dict()), keyed(saved)
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+
+        def filled(values: Mapping[str, Any]) -> dict[str, Any]:  # each key absent from values at its default
+            return keyed(defaults | {"method": values.get("method"), "options": option_defaults or {}}) | keyed(values)
+
+        now, then = filled(self.as_dict()), filled(saved)
         return [f"{key} ({then.get(key)!r} -> {now.get(key)!r})"
                 for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
 

@@ -2,8 +2,10 @@
 directory's guard, and runs that are stopped or killed and resumed, compared round by round with
 runs that were not (bit-identical metrics on the CPU)."""
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from protofl.federation.wire import ClassVectors
 from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
+from protofl.strategies.fedproto import FedProtoOptions
 from protofl.task import storage
 
 TESTS = Path(__file__).resolve().parent
@@ -178,6 +181,20 @@ def test_resume_names_the_settings_that_differ_and_allows_extending_the_run(tmp_
                  tmp_path / "run")
     extended = settings(tmp_path, resume=True, num_server_rounds=6, method="fedproto", options={"lambda": 1.0})
     assert open_run(extended, tmp_path / "run").server_round == 4
+
+
+def test_a_key_an_older_checkpoint_lacks_resumes_at_its_default(tmp_path):
+    older = settings(tmp_path, num_server_rounds=4, options={"lambda": 1.0}, method="fedproto").as_dict()
+    del older["screen_factor"]  # run-config keys that did not exist when it was written
+    Checkpoint(2, [], {}, {"run_config": older}, "aa").save(tmp_path / "run")
+    defaults = FedProtoOptions.run_config_defaults()
+    today = settings(tmp_path, resume=True, num_server_rounds=4, method="fedproto",
+                     options={"lambda": 1.0, "weighting": "count", "inference": "prototype"})
+    assert open_run(today, tmp_path / "run", defaults).server_round == 2
+    for changed, named in (({"screen_factor": 5.0}, "screen-factor (10.0 -> 5.0)"),
+                           ({"options": {"lambda": 1.0, "weighting": "uniform"}}, "fedproto.weighting")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            open_run(dataclasses.replace(today, **changed), tmp_path / "run", defaults)
 
 
 # --- runs stopped and resumed -------------------------------------------------------------------

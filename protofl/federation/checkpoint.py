@@ -252,10 +252,11 @@ class ClientStateStore:
 # ---------------------------------------------------------------------------------------
 
 
-def open_run(settings: Any, directory: Path) -> Checkpoint | None:
+def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] | None = None) -> Checkpoint | None:
     """The checkpoint to continue from (``resume=true``), or None for a fresh start. A directory
     that holds a run already is never overwritten silently: it needs ``resume=true`` or
-    ``overwrite=true``. Raises ``ValueError`` naming what to change."""
+    ``overwrite=true``. Raises ``ValueError`` naming what to change. ``option_defaults``: the
+    method's options' defaults, which a key the checkpoint lacks counts as."""
     directory = Path(directory)
     holds_a_run = (directory / "results.json").is_file() or (directory / CHECKPOINT).is_file()
     if not settings.resume:
@@ -272,7 +273,7 @@ def open_run(settings: Any, directory: Path) -> Checkpoint | None:
             raise ValueError(f"resume=true: {directory} has results but no {CHECKPOINT} (checkpoint-every=0?)")
         log(INFO, "protofl: no checkpoint in %s yet; the run starts at round 1", directory)
         return None
-    conflicts = settings.resume_conflicts(checkpoint.results["run_config"])
+    conflicts = settings.resume_conflicts(checkpoint.results["run_config"], option_defaults)
     if conflicts:
         raise ValueError(
             f"resume=true: the run config differs from the checkpoint's in {', '.join(conflicts)}; only "
