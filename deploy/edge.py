@@ -29,6 +29,7 @@ TEMPLATE = Path(__file__).resolve().with_name("edge.conf.template")
 # Flower 1.41 sends a FAB of at most 10 MiB in one request, and messages as objects of at most 5 MiB
 # (FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE): 16 MiB leaves headroom for their envelopes.
 MAX_BODY = "16m"
+READ_TIMEOUT = "3600s"  # how long the SuperLink may take to answer: `flwr run --stream` follows a whole run
 # operator mode -> (who may use the Control API, the nginx rule that says it, what others are told)
 OPERATOR_RULES = {
     "mtls": (
@@ -46,8 +47,7 @@ OPERATOR_RULES = {
 
 def render(
     *, listen: str, upstream: str, upstream_name: str, credentials: str, run_dir: str, operator: str = "mtls",
-    error_log: str = "stderr", access_log: str = "/dev/stdout", read_timeout: str = "3600s",
-    max_body: str = MAX_BODY, template: str | None = None,
+    access_log: str = "/dev/stdout",
 ) -> str:
     """The edge's nginx configuration. ``credentials``: the directory of ``ca.crt``, ``server.pem``
     and ``server.key`` (make_credentials.py); ``upstream``: the SuperLink's host:port, whose
@@ -57,16 +57,14 @@ def render(
         "listen": listen, "upstream": upstream, "upstream_name": upstream_name, "run_dir": run_dir,
         "certificate": f"{credentials}/server.pem", "key": f"{credentials}/server.key", "ca": f"{credentials}/ca.crt",
         "control_rule": rule, "control_rule_doc": doc, "forbidden": f"protofl edge: {forbidden}",
-        "error_log": error_log, "access_log": access_log, "read_timeout": read_timeout, "max_body": max_body,
+        "error_log": "stderr", "access_log": access_log, "read_timeout": READ_TIMEOUT, "max_body": MAX_BODY,
     }
-    text = template if template is not None else TEMPLATE.read_text()
-
     def value(match: re.Match) -> str:
         if match[1] not in values:
             raise KeyError(f"the edge template names ${{{match[1]}}}, which render() does not fill in")
         return values[match[1]]
 
-    return re.sub(r"\$\{(\w+)\}", value, text)
+    return re.sub(r"\$\{(\w+)\}", value, TEMPLATE.read_text())
 
 
 # What an outsider tries (tests/test_edge.py, deploy/compose_e2e.py): every Control API call that
