@@ -11,7 +11,7 @@ RUN apt-get update \
 COPY deploy/edge.py deploy/edge.conf.template /tmp/edge/
 RUN python3 /tmp/edge/edge.py --out /etc/nginx/protofl-edge.conf --listen 0.0.0.0:9443 \
         --upstream superlink:8000 --upstream-name superlink --credentials /app/credentials \
-        --run-dir /var/lib/protofl-edge \
+        --run-dir /var/lib/protofl-edge --access-log /dev/stdout \
     && rm -rf /tmp/edge
 EXPOSE 9443
-CMD ["nginx", "-c", "/etc/nginx/protofl-edge.conf", "-g", "daemon off;"]
+CMD ["nginx", "-e", "stderr", "-c", "/etc/nginx/protofl-edge.conf", "-g", "daemon off;"]

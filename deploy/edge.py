@@ -14,7 +14,7 @@ on the SuperLink's own network only. Who the operator is (``--operator``):
 
     python deploy/edge.py --out edge.conf --listen 0.0.0.0:9443 --upstream 127.0.0.1:9093 \\
         --credentials deploy/credentials --run-dir /tmp/edge
-    nginx -c "$PWD/edge.conf" -g 'daemon off;'
+    nginx -e stderr -c "$PWD/edge.conf" -g 'daemon off;'
 """
 
 from __future__ import annotations
@@ -108,12 +108,14 @@ def main() -> None:
     parser.add_argument("--upstream-name", default="localhost", help="a name in the SuperLink's certificate")
     parser.add_argument("--credentials", type=Path, required=True, help="ca.crt, server.pem, server.key")
     parser.add_argument("--run-dir", type=Path, required=True, help="where nginx writes its pid")
+    parser.add_argument("--access-log", help="default: access.log in --run-dir (the compose image: /dev/stdout)")
     parser.add_argument("--operator", choices=sorted(OPERATOR_RULES), default="mtls")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(
         listen=args.listen, upstream=args.upstream, upstream_name=args.upstream_name,
         credentials=str(args.credentials.resolve()), run_dir=str(args.run_dir.resolve()), operator=args.operator,
+        access_log=args.access_log or str(args.run_dir.resolve() / "access.log"),
     ))
 
 

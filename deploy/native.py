@@ -233,7 +233,7 @@ def start_edge(deployment: NativeDeployment, link: tuple[str, int], listen: tupl
     ))
     if NGINX is None:
         raise FileNotFoundError("the edge needs nginx: apt-get install nginx-light")
-    deployment.start("edge", [NGINX, "-c", str(conf), "-p", str(directory), "-g", "daemon off;"])
+    deployment.start("edge", [NGINX, "-e", "stderr", "-c", str(conf), "-p", str(directory), "-g", "daemon off;"])
     wait_for_port(*listen, timeout=30)
     return directory
 
