@@ -7,8 +7,9 @@ Flower home and ports) on Fashion-MNIST with ``fraction-fit`` 0.1. While it runs
 memory of every process it started (the managed SuperLink, the simulation, Ray and its workers) is
 sampled twice a second: ``peak RSS`` sums RSS (pages shared between processes counted in each),
 ``peak PSS`` sums proportional set sizes (shared pages split between their processes: the memory
-the run really takes). ``--no-state-dir`` adds the runs whose clients keep their state in Flower's
-memory (``context.state``) instead of a state dir. Writes ``<out>/scale.json`` and
+the run really takes). The clients keep their state where they do by default (on disk, in the run
+directory); ``--memory`` adds the runs whose clients keep it in Flower's memory (``context.state``,
+``state-dir="memory"``). Writes ``<out>/scale.json`` and
 ``<out>/scale.md`` and prints the table.
 """
 
@@ -71,15 +72,15 @@ def kill_everything(marker: str) -> None:
             pass
 
 
-def one_run(method: str, clients: int, state_dir: bool, rounds: int, out: Path, extra: str) -> dict:
-    label = f"{method}-{clients}-{'state-dir' if state_dir else 'memory'}"
+def one_run(method: str, clients: int, on_disk: bool, rounds: int, out: Path, extra: str) -> dict:
+    label = f"{method}-{clients}-{'disk' if on_disk else 'memory'}"
     with tempfile.TemporaryDirectory(prefix="protofl-scale-") as home:
         run_config = (
             f"method='{method}' dataset='fmnist' num-server-rounds={rounds} fraction-fit=0.1 "
             f"global-test-pm=false output-dir='{out}' run-name='{label}' overwrite=true {extra}"
         )
-        if state_dir:
-            run_config += f" state-dir='{out / 'state'}'"
+        if not on_disk:
+            run_config += " state-dir='memory'"
         bin_dir = Path(sys.executable).parent
         env = os.environ | {
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -106,7 +107,7 @@ def one_run(method: str, clients: int, state_dir: bool, rounds: int, out: Path, 
     records = results["rounds"]
     later = records[1:] or records  # round 1 also discovers the nodes' partitions
     row = {
-        "label": label, "method": method, "clients": clients, "client_state": "state-dir" if state_dir else "memory",
+        "label": label, "method": method, "clients": clients, "client_state": "disk (default)" if on_disk else "memory",
         "rounds": len(records), "wall_s": round(wall, 1),
         "peak_rss_mib": round(sampler.peak_rss / 1024), "peak_pss_mib": round(sampler.peak_pss / 1024),
         "round1_s": round(records[0]["seconds"], 2),
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["fedproto", "fedsa"])
     parser.add_argument("--clients", nargs="+", type=int, default=[100, 1000])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--no-state-dir", action="store_true", help="also run with client state in memory")
+    parser.add_argument("--memory", action="store_true", help="also run with client state in memory")
     parser.add_argument("--run-config", default="", help="more run-config overrides")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "scale")
     args = parser.parse_args()
@@ -147,8 +148,8 @@ def main() -> None:
     rows = []
     for method in args.methods:
         for clients in args.clients:
-            for state_dir in (True, False) if args.no_state_dir else (True,):
-                rows.append(one_run(method, clients, state_dir, args.rounds, args.out, args.run_config))
+            for on_disk in (True, False) if args.memory else (True,):
+                rows.append(one_run(method, clients, on_disk, args.rounds, args.out, args.run_config))
     text = table(rows)
     header = f"{datetime.date.today()}, {machine_description()}, `{' '.join(sys.argv)}`\n\n"
     (args.out / "scale.md").write_text(header + text)

@@ -15,8 +15,10 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
 - ``num-threads``: CPU threads for this node's torch work (default: torch's, one per core; set it
   when several SuperNodes share a machine, as they do in the compose demo);
 - ``state-dir``: where this node keeps its partition's state across rounds (personal models),
-  instead of the run config's ``state-dir`` or, when neither is set, Flower's in-memory
-  ``context.state`` (see :mod:`protofl.federation.checkpoint`).
+  instead of the run config's ``state-dir``; when neither is set, ``<run directory>/client-state``
+  in simulation and ``$FLWR_HOME/protofl-state`` (else ``~/.flwr/protofl-state``) of the process
+  that runs the ClientApp in a deployment; ``"memory"``: Flower's in-memory ``context.state``,
+  lost when the node restarts (see :mod:`protofl.federation.checkpoint`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from flwr.common.logger import log
 from flwr.server import Grid, History, Server, ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 from flwr.superlink.grid import HttpGrid
 
-from protofl.federation.checkpoint import Checkpoint, open_run
+from protofl.federation.checkpoint import CLIENT_STATE, Checkpoint, open_run
 from protofl.federation.server import RunStopped
 from protofl.report import RunRecorder, summary_text
 from protofl.settings import ExperimentSettings
@@ -83,8 +83,12 @@ class PrototypeServer(Server):
             self.strategy.save_checkpoint(server_round, self.parameters)
 
 
-def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], ServerAppComponents]:
-    """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty)."""
+def make_server_fn(
+    run_config: Mapping[str, Any] | None = None, deployment: bool = False
+) -> Callable[[Context], ServerAppComponents]:
+    """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty).
+    In a simulation (not ``deployment``) the clients share the server's disk: those without a
+    ``state-dir`` keep their state in the run directory's ``client-state``."""
 
     def server_fn(context: Context) -> ServerAppComponents:
         settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
@@ -105,7 +109,8 @@ def make_server_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict())
-        strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes)
+        strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes,
+                                  client_state_dir="" if deployment else str(directory / CLIENT_STATE))
         if checkpoint is not None:
             strategy.resume_from(checkpoint)
         log(
@@ -165,11 +170,17 @@ class PromptReplies(Grid):
 
 
 class PrototypeServerApp(ServerApp):
-    """Flower's ServerApp, with :class:`PromptReplies` around a deployment's grid (simulation's
-    in-memory grid already polls every 0.1 s)."""
+    """Flower's ServerApp of :func:`make_server_fn`, told whether it runs a deployment (whose
+    nodes keep their state on their own disks), with :class:`PromptReplies` around a
+    deployment's grid (simulation's in-memory grid already polls every 0.1 s)."""
+
+    def __init__(self) -> None:
+        super().__init__(server_fn=make_server_fn())
 
     def __call__(self, grid: Grid, context: Context) -> None:
-        super().__call__(PromptReplies(grid) if isinstance(grid, HttpGrid) else grid, context)
+        if isinstance(grid, HttpGrid):
+            self._server_fn, grid = make_server_fn(deployment=True), PromptReplies(grid)
+        super().__call__(grid, context)
 
 
-app = PrototypeServerApp(server_fn=make_server_fn())
+app = PrototypeServerApp()

@@ -36,7 +36,7 @@ EvaluationMessage = Literal["fit", "evaluate"]
 Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval.
-RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite"})
+RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,14 +110,21 @@ class MethodOptions:
     method's run-config table (``[tool.flwr.app.config.<method>]``, "-" for "_"), typed, with
     ``Literal[...]`` for enumerations; range checks go in :meth:`check`.
 
-    Two class-level declarations are the method's contract with the templates:
+    Three declarations are the method's contract with the templates:
 
     - ``statistics``: the class statistics each client uploads every round (per-class means and
       counts): of its ``"feature"`` vectors (C x d), of its ``"logit"`` vectors (C x C), or None;
-    - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters.
+    - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters;
+    - :attr:`keeps_client_state`: whether clients keep state across rounds.
     """
 
     statistics: ClassVar[Literal["feature", "logit"] | None] = "feature"
+
+    @property
+    def keeps_client_state(self) -> bool:
+        """Whether each client keeps state for its partition across rounds (a personal model, ...),
+        which a resumed run must find again (default: no)."""
+        return False
 
     @classmethod
     def from_settings(cls, settings: "ExperimentSettings") -> "MethodOptions":
@@ -203,6 +210,7 @@ class ExperimentSettings:
     resume: bool = False
     overwrite: bool = False
     state_dir: str = ""
+    resume_fresh_clients: bool = False
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the method's table, raw
 
     @classmethod

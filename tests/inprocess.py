@@ -41,8 +41,7 @@ def run_in_process(run_config, num_nodes=3, node_class=None):
     ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client)."""
     empty = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     components = make_server_fn(run_config)(empty)
-    server, messages = components.server, []
-    server.set_max_workers(1)  # one client at a time: model init seeds torch's global generator
+    server, messages = components.server, []  # clients on Flower's thread pool, as in a real run
     client_fn = make_client_fn(run_config)
     for p in range(num_nodes):
         node_config = {"partition-id": p, "num-partitions": num_nodes}

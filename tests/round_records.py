@@ -59,10 +59,22 @@ def cases() -> dict[str, dict]:
 
 
 def machine() -> dict:
-    """What float results depend on besides the code: torch's build and the CPU kernels it picks."""
+    """What float results depend on besides the code: torch's build, the CPU kernels it picks and
+    the CPU's generation (an AVX-512 Zen 4 and Zen 5 give other bits in a few chaotic cases)."""
+    import platform
+
     import torch
 
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("vendor_id", "cpu family", "model") and key.strip() not in cpu:
+                cpu[key.strip()] = value.strip()
+    except OSError:
+        cpu["processor"] = platform.processor()
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": " ".join(cpu.values())}
 
 
 def round_records(case: dict, output_dir: Path) -> list[dict]:

@@ -1,8 +1,10 @@
-"""A real loopback deployment (docker-compose.yml's command lines, three SuperNodes, each with a
-``state-dir``) loses its ServerApp and one SuperNode in round 3 of 4; the SuperNode is restarted,
+"""A real loopback deployment (docker-compose.yml's command lines, three SuperNodes, none with a
+``state-dir``: each ClientApp keeps its state under its Flower home, the deployment default) loses
+its ServerApp and one SuperNode in round 3 of 4; the SuperNode is restarted,
 `flwr run ... resume=true` finishes the run, and every round equals the same run made without
 faults (in one process, with the nodes' one torch thread: the numbers are the same)."""
 
+import os
 import signal
 from pathlib import Path
 
@@ -24,14 +26,6 @@ RUN = {"method": "fedproto", "num-server-rounds": 4, "local-epochs": 1, "checkpo
 KILLED_NODE = 2  # supernode-2, partition 1
 
 
-def compose_with_state_dirs() -> dict:
-    compose = three_node_compose()
-    for i in range(1, NUM_NODES + 1):
-        command = compose["services"][f"supernode-{i}"]["command"]
-        command[command.index("--node-config") + 1] += ' state-dir="~/protofl-state"'
-    return compose
-
-
 @pytest.fixture
 def deployment(tmp_path):
     started = native.NativeDeployment(tmp_path / "services", native.environment())
@@ -40,7 +34,7 @@ def deployment(tmp_path):
 
 
 def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results(tmp_path, deployment):
-    compose = compose_with_state_dirs()
+    compose = three_node_compose()
     link = ("127.0.0.1", native.free_port())
     nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
     addresses = native.start_federation(deployment, compose, link, nodes)
@@ -57,8 +51,10 @@ def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results
     kill_trees([*children, deployment.processes[node].pid, deployment.processes[clientapp].pid],
                signals=(signal.SIGKILL,))  # the ServerApp (not its SuperExec), the node and its ClientApps
     assert children and Checkpoint.load(tmp_path / "killed").server_round == 2
-    state = deployment.workdir / clientapp / "protofl-state" / "killed" / f"partition-{KILLED_NODE - 1}"
-    assert any(state.glob("round-*.npz"))  # what the restarted node continues from
+    default = deployment.workdir / clientapp / "flwr-home" / "protofl-state"  # its $FLWR_HOME's
+    assert os.stat(default).st_mode & 0o777 == 0o700
+    assert any((default / "killed" / f"partition-{KILLED_NODE - 1}").glob("round-*.npz"))  # what it continues from
+    assert not (tmp_path / "killed" / "client-state").exists()  # not the server's disk: a deployment
     for name in (node, clientapp):
         host, port = (nodes[KILLED_NODE - 1][0], nodes[KILLED_NODE - 1][1]) if name == node else ("127.0.0.1", None)
         deployment.start(name, native.service_command(compose, name, host, port, addresses), None,

@@ -89,7 +89,7 @@ def test_the_fit_config_asks_for_the_pending_round_and_a_checkpoint_keeps_it(tmp
         def all(self):
             return {str(100 + p): FakeProxy(str(100 + p)) for p in range(4)}
 
-    strategy.discovery.discover = lambda client_manager: start_round(strategy, range(4))
+    strategy.discovery.discover = lambda client_manager, query=None: start_round(strategy, range(4))
     configs = [ins.config for _, ins in strategy.configure_fit(2, parameters, Nodes())]
     assert [c[EVALUATE_ROUND] for c in configs] == [1] * 4
     assert len(strategy.configure_evaluate(3, parameters, None)) == 4  # the last round: its own message

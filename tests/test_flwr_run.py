@@ -32,9 +32,10 @@ def flwr_command(tmp_path, run_config, name="e2e"):
     return command, env
 
 
-def flwr_run(tmp_path, run_config, name="e2e"):
-    """`flwr run . --stream` with ``run_config``; the finished process (output captured)."""
+def flwr_run(tmp_path, run_config, name="e2e", extra_env=None):
+    """`flwr run . --stream` with ``run_config`` (and ``extra_env``); the finished process (output captured)."""
     command, env = flwr_command(tmp_path, run_config, name)
+    env |= extra_env or {}
     home = env["FLWR_HOME"]
     try:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)

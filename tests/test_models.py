@@ -1,3 +1,6 @@
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch import nn
@@ -46,6 +49,38 @@ def test_same_seed_same_initial_weights():
     for (name, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(va, vb), name
     assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet8-x4", "tv-resnet10"])
+def test_models_built_on_threads_equal_those_built_alone(name):
+    """Clients on threads (Flower's thread pool) build their models while other threads draw random
+    numbers: each model is still the one its seed gives in a process of its own, and the global
+    generator is neither read nor moved."""
+    alone = {seed: build_model(name, 1, 10, 28, seed) for seed in (0, 1)}
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    stop = threading.Event()
+
+    def draw_meanwhile():
+        while not stop.is_set():
+            torch.randn(64, generator=torch.Generator())  # busy, without touching the global generator
+            torch.randn(64)
+
+    busy = threading.Thread(target=draw_meanwhile)
+    busy.start()
+    try:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            built = list(pool.map(lambda i: (i % 2, build_model(name, 1, 10, 28, i % 2)), range(6)))
+    finally:
+        stop.set()
+        busy.join()
+    for seed, model in built:
+        for (key, got), want in zip(model.state_dict().items(), alone[seed].state_dict().values()):
+            assert torch.equal(got, want), key
+    torch.manual_seed(123)
+    build_model(name, 1, 10, 28, 5)
+    assert torch.equal(torch.rand(1), expected_next)
 
 
 def test_unknown_model_is_a_clear_error():

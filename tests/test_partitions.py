@@ -42,6 +42,8 @@ def test_a_partition_claimed_by_two_live_nodes_goes_to_neither_until_one_leaves(
     (properties(1, train=0), "num-train must be an integer >= 1, got 0"),
     ({"partition-id": 1}, "num-partitions must be an integer >= 1, got None"),
     ("not a mapping", "properties must be a mapping, got str"),
+    (properties(3) | {"state-round": -2}, "state-round must be an integer >= 0, got -2"),
+    (properties(3) | {"state-round": "7"}, "state-round must be an integer >= 0, got '7'"),
 ])
 def test_claims_outside_the_run_hold_nothing(reply, reason, caplog):
     registry = registry_with({"a": properties(0), "b": properties(1), "c": properties(2), "x": reply})

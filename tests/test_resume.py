@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import RecordDict
 from flwr.common import ndarrays_to_parameters
 from inprocess import run_in_process
@@ -26,7 +28,7 @@ from protofl.federation.checkpoint import (
     RunCheckpoints,
     open_run,
 )
-from protofl.federation.wire import ClassVectors
+from protofl.federation.wire import ClassVectors, round_config
 from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
@@ -110,11 +112,34 @@ def test_checkpoints_are_due_every_few_rounds_and_after_the_last(tmp_path):
     for server_round in range(1, 6):
         recorder.update(server_round, train_loss=1.0)
         checkpoints.save(server_round, ndarrays_to_parameters([np.zeros(2)]), lambda: saved.append(server_round) or {})
-        assert checkpoints.run_identity(server_round + 1) == ("r", checkpoints.run_token, saved[-1] if saved else 0)
+        assert checkpoints.run_identity(server_round + 1)[:3] == ("r", checkpoints.run_token, saved[-1] if saved else 0)
     assert saved == [2, 4, 5] and Checkpoint.load(settings.run_directory()).server_round == 5
     assert recorder.rounds[4]["checkpoint_bytes"] > 0 and "checkpoint_bytes" not in recorder.rounds[3]
     without = RunCheckpoints(ExperimentSettings(checkpoint_every=0), recorder)  # every earlier round counts as kept
     assert without.run_identity(4)[2] == 3
+
+
+def test_a_resume_checks_each_partition_that_trained_once_against_its_last_training(tmp_path):
+    settings = ExperimentSettings(checkpoint_every=2, num_server_rounds=6, output_dir=str(tmp_path), run_name="r")
+    recorder = RunRecorder(settings.run_directory(), settings.as_dict())
+    before = RunCheckpoints(settings, recorder)
+    before.trained(1, [0, 1, 2])
+    before.trained(2, [0, 1])  # partition 2 did not reply in round 2
+    checkpoint = Checkpoint(2, [np.zeros(1)], {}, {"rounds": [], "started": "then"}, "ab")
+    resumed = RunCheckpoints(settings, recorder, "/run/client-state")
+    resumed.restore(checkpoint, before.state(), keeps_client_state=True)
+    # 0: state of its last training; 1: an older one; 2: round 1's, its last; 3: never trained
+    assert resumed.lost_state({0: 2, 1: 1, 2: 1, 3: 0}) == [1]
+    assert resumed.lost_state({1: 0, 4: None}) == []  # each partition is checked once
+    resumed.restore(checkpoint, before.state(), keeps_client_state=True)
+    problem = resumed.check_client_state({0: None, 1: 2, 2: 0})
+    assert "partitions 0, 2 trained before round 3" in problem and "/run/client-state" in problem
+    resumed.restore(checkpoint, before.state(), keeps_client_state=False)  # nothing kept: nothing to lose
+    assert resumed.check_client_state({0: None, 1: 0, 2: 0}) is None
+    old = RunCheckpoints(settings, recorder)  # a checkpoint from before last_trained: the sampled clients
+    sampled = {"rounds": [{"round": 1, "clients": [0, 3]}, {"round": 2, "clients": [3]}], "started": "then"}
+    old.restore(dataclasses.replace(checkpoint, results=sampled), None, keeps_client_state=True)
+    assert old.lost_state({0: 1, 3: 1}) == [3]
 
 
 def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp_path):
@@ -136,12 +161,34 @@ def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp
     assert os.stat(folder / "round-1.ef.npz").st_mode & 0o777 == 0o600
 
 
-def test_without_a_state_dir_the_node_keeps_one_version_in_context_state():
+def test_state_dir_memory_keeps_one_version_in_context_state():
     state = RecordDict()
-    store = ClientStateStore(state, 0)
+    store = ClientStateStore(state, 0, "memory")
     store.save("run", "ab", 1, {"w": np.ones(2)}, needed_from=0)
     store.save("run", "ab", 2, {"w": np.full(2, 2.0)}, needed_from=1)
     assert list(state) == ["protofl-state"] and store.load("run", "ab", before=None)["w"][0] == 2.0
+    assert store.newest_round("run", "ab", before=3) == 2 and store.load("run", "ab", before=2) == {}
+
+
+def test_the_default_state_dir_is_the_servers_in_simulation_else_the_flower_home(tmp_path, monkeypatch):
+    """Without a state-dir, a node keeps its state where the server's instruction says (simulation:
+    the run directory's client-state), else under its Flower home, in a directory only its user
+    can enter; a node's or the run's state-dir wins over both."""
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    config = round_config(1, 0, "run", "ab", 0)
+    store = ClientStateStore(RecordDict(), 2)
+    store.locate(config)
+    store.save("run", "ab", 1, {"w": np.ones(2)}, needed_from=0)
+    default = tmp_path / "home" / "protofl-state"
+    assert (default / "run" / "partition-2" / "round-1.ab.npz").is_file()
+    assert os.stat(default).st_mode & 0o777 == 0o700
+    store.locate(round_config(2, 0, "run", "ab", 1, str(tmp_path / "run-dir" / "client-state")))
+    assert store.newest_round("run", "ab", before=None) == 0  # another directory: nothing there yet
+    store.save("run", "ab", 2, {"w": np.ones(2)}, needed_from=1)
+    assert (tmp_path / "run-dir" / "client-state" / "run" / "partition-2" / "round-2.ab.npz").is_file()
+    chosen = ClientStateStore(RecordDict(), 2, str(tmp_path / "mine"))
+    chosen.locate(round_config(2, 0, "run", "ab", 1, str(tmp_path / "run-dir" / "client-state")))
+    assert chosen.directory == tmp_path / "mine"
 
 
 # --- starting a run: fresh, resumed, refused ----------------------------------------------------
@@ -211,15 +258,59 @@ def test_a_run_extended_after_round_2_equals_a_run_of_4_rounds(tmp_path, method)
     assert json.loads((tmp_path / "parts" / "results.json").read_text())["resumed_after"] == [2]
 
 
-def test_without_a_state_dir_restarted_nodes_lose_their_personal_models(tmp_path):
-    """The control for the test above: FedProto's clients keep personal models, which a node that
-    restarts without a state dir no longer has; the resumed rounds differ."""
-    config = RUN | {"method": "fedproto", "output-dir": str(tmp_path)}
+def test_without_a_state_dir_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """No state-dir set: the nodes keep their personal models in the run directory, where restarted
+    nodes find them again."""
+    config = RUN | {"method": "fedproto", "output-dir": str(tmp_path), "fraction-fit": 1.0}
     run_in_process(config | {"run-name": "whole"}, num_nodes=4)
     run_in_process(config | {"run-name": "parts", "num-server-rounds": 2}, num_nodes=4)
+    assert sorted(p.name for p in (tmp_path / "parts" / "client-state" / "parts").iterdir()) == [
+        f"partition-{p}" for p in range(4)]
     run_in_process(config | {"run-name": "parts", "resume": True}, num_nodes=4)
-    got, want = rounds_without_timing(tmp_path / "parts"), rounds_without_timing(tmp_path / "whole")
-    assert got[:2] == want[:2] and got[2:] != want[2:]
+    assert_same_rounds(tmp_path / "parts", tmp_path / "whole")
+
+
+@pytest.mark.parametrize("lose", ["memory", "deleted"])
+def test_a_resume_whose_nodes_lost_their_state_stops_before_its_first_round(tmp_path, lose):
+    """Restarted nodes without their personal models (kept in memory, or the state deleted) would
+    give other numbers than the uninterrupted run: the resumed run stops before its first round,
+    naming the partitions; resume-fresh-clients=true goes on with fresh models, and says so."""
+    config = RUN | {"method": "fedproto", "output-dir": str(tmp_path), "fraction-fit": 1.0, "run-name": "parts"}
+    config |= {"state-dir": "memory"} if lose == "memory" else {}
+    run_in_process(config | {"num-server-rounds": 2}, num_nodes=4)
+    if lose == "deleted":
+        shutil.rmtree(tmp_path / "parts" / "client-state")
+    run_in_process(config | {"resume": True}, num_nodes=4)
+    results = json.loads((tmp_path / "parts" / "results.json").read_text())
+    assert [r["round"] for r in results["rounds"]] == [1, 2] and Checkpoint.load(tmp_path / "parts").server_round == 2
+    assert "partitions 0, 1, 2, 3 trained before round 3" in results["stopped"]
+    assert "resume-fresh-clients=true" in results["stopped"]
+    where = "state-dir='memory'" if lose == "memory" else str(tmp_path / "parts" / "client-state")
+    assert where in results["stopped"]
+    run_in_process(config | {"resume": True, "resume-fresh-clients": True}, num_nodes=4)
+    results = json.loads((tmp_path / "parts" / "results.json").read_text())
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3, 4] and "stopped" not in results
+    assert results["fresh_clients"] == [{"after_round": 2, "partitions": [0, 1, 2, 3]}]
+
+
+@pytest.mark.parametrize("method, options", [
+    *((m, {}) for m in sorted(METHODS)), ("fedavg", {"fedavg.personal-model": "local"}),
+    ("fedproto", {"fedproto.average-parameters": True}),
+])
+def test_a_method_declares_the_client_state_it_keeps(tmp_path, method, options):
+    """What a resume checks (MethodOptions.keeps_client_state) is what the clients really keep."""
+    config = RUN | {"method": method, "output-dir": str(tmp_path), "run-name": "r", "num-server-rounds": 1} | options
+    strategy, _ = run_in_process(config, num_nodes=3)
+    kept = list((tmp_path / "r" / "client-state").glob("r/partition-*/round-1.*.npz"))
+    assert bool(kept) == strategy.options.keeps_client_state
+
+
+def test_methods_without_client_state_resume_without_any(tmp_path):
+    """FedAvg keeps nothing on the nodes: a resume needs no state, and none is written."""
+    config = RUN | {"method": "fedavg", "output-dir": str(tmp_path), "fraction-fit": 1.0, "run-name": "parts"}
+    run_in_process(config | {"num-server-rounds": 2, "state-dir": "memory"}, num_nodes=4)
+    run_in_process(config | {"resume": True, "state-dir": "memory"}, num_nodes=4)
+    assert "stopped" not in json.loads((tmp_path / "parts" / "results.json").read_text())
 
 
 def wait_for_round(directory: Path, server_round: int, process: subprocess.Popen | None, timeout: float) -> None:
@@ -268,18 +359,27 @@ def test_a_process_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_pa
 
 
 @pytest.mark.slow
-def test_flwr_run_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_path):
-    """The same through `flwr run` (Ray simulation): the managed SuperLink, the simulation and its
-    Ray workers are all killed, then `flwr run ... resume=true` finishes the run."""
+@pytest.mark.parametrize("method", ["fedproto", "fedsa", "fedcosr", "fedskc"])
+def test_flwr_run_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_path, method):
+    """The same through `flwr run` (Ray simulation), with no state-dir anywhere: the managed
+    SuperLink, the simulation and its Ray workers are all killed, then `flwr run ... resume=true`
+    finishes the run. The uninterrupted run is the in-process one, its clients on threads: the
+    numbers of clients in Ray's worker processes must be theirs (every process with one torch
+    thread: the server's own float sums, e.g. FedSA's margins, depend on the thread count)."""
     from test_flwr_run import flwr_command, flwr_run
 
-    config = (f"method='fedsa' num-server-rounds=4 local-epochs=1 fraction-fit=0.67 checkpoint-every=2 "
-              f"global-test-pm-per-class=10 state-dir='{tmp_path / 'state'}'")
-    whole = flwr_run(tmp_path, config, "whole")
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    config = (f"method='{method}' num-server-rounds=4 local-epochs=1 fraction-fit=0.67 checkpoint-every=2 "
+              "global-test-pm-per-class=10")
     command, env = flwr_command(tmp_path, config, "killed")
-    kill_during_round_3(tmp_path / "killed", command, env, env["FLWR_HOME"])
-    resumed = flwr_run(tmp_path, config + " resume=true", "killed")
+    kill_during_round_3(tmp_path / "killed", command, env | {"OMP_NUM_THREADS": "1"}, env["FLWR_HOME"])
+    resumed = flwr_run(tmp_path, config + " resume=true", "killed", {"OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout + resumed.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each Ray worker (client-resources-num-cpus=1)
+    try:
+        run_in_process(RUN | {"method": method, "output-dir": str(tmp_path), "run-name": "whole",
+                              "fraction-fit": 0.67, "checkpoint-every": 2}, num_nodes=3)
+    finally:
+        torch.set_num_threads(threads)
     assert_same_rounds(tmp_path / "killed", tmp_path / "whole")

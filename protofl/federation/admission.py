@@ -87,6 +87,10 @@ class Admission:
         self.asked: dict[str, int] = {}  # node id -> partition, of this round's instructions
         self.sent_parameters: list[np.ndarray] = list(references)  # what this round's clients train from
 
+    def partitions(self, results: Sequence[tuple[ClientProxy, Any]]) -> list[int]:
+        """The partitions of the nodes asked this round that replied (whatever their replies hold)."""
+        return sorted({self.asked[proxy.cid] for proxy, _ in results if proxy.cid in self.asked})
+
     def replies(
         self, server_round: int, stage: str, results: Sequence[tuple[ClientProxy, Any]], parse: Callable
     ) -> tuple[list[Any], list[dict[str, Any]]]:

@@ -29,7 +29,7 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import Scalar
 
-from protofl.federation.checkpoint import ClientStateStore, LocalState
+from protofl.federation.checkpoint import MEMORY, ClientStateStore, LocalState
 from protofl.federation.scoring import Predictor, local_scores
 from protofl.federation.wire import (
     EVALUATE_ROUND,
@@ -90,7 +90,7 @@ class PrototypeClient(NumPyClient):
         self.augment = make_augment(settings.augment, fill.expand(data.in_channels))
         self.model = model.to(self.device)
         self.num_partitions = num_partitions
-        store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id)
+        store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id, MEMORY)
         self.state = LocalState(store)
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
@@ -134,12 +134,13 @@ class PrototypeClient(NumPyClient):
     # --- Flower's NumPyClient API -------------------------------------------------------
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
+        """This node's partition and sizes (and, asked with a run's identity, the state it holds)."""
         return {
             PARTITION_ID: self.data.partition_id,
             NUM_PARTITIONS: self.num_partitions,
             NUM_TRAIN: self.data.num_train,
             NUM_TEST: self.data.num_test,
-        }
+        } | self.state.held(config)
 
     def get_parameters(self, config: dict[str, Scalar]) -> list[np.ndarray]:
         return self.shared_arrays()
@@ -300,10 +301,9 @@ class PrototypeClient(NumPyClient):
     def restore_personal_model(self) -> bool:
         """Load this client's persistent model from its :attr:`local_state`; False before it has one."""
         stored = {k[len(MODEL_PREFIX):]: v for k, v in self.local_state.items() if k.startswith(MODEL_PREFIX)}
-        if not stored:
-            return False
-        load_all_tensors(self.model, stored)
-        return True
+        if stored:
+            load_all_tensors(self.model, stored)
+        return bool(stored)
 
     def store_personal_model(self) -> None:
         """Keep the whole model (parameters and every buffer) in :attr:`local_state`."""

@@ -41,6 +41,7 @@ from protofl.federation.wire import (
     NUM_TEST,
     NUM_TRAIN,
     PARTITION_ID,
+    STATE_ROUND,
     PayloadError,
     checked_count,
     rejection_reason,
@@ -64,15 +65,17 @@ class PartitionClaim:
     num_partitions: int
     num_train: int
     num_test: int
+    state_round: int | None = None  # the round of the newest state it holds for the run (None: not said)
 
     @classmethod
     def from_properties(cls, properties: Any) -> "PartitionClaim":
         if not isinstance(properties, Mapping):
             raise PayloadError(f"properties must be a mapping, got {type(properties).__name__}")
+        state_round = properties.get(STATE_ROUND)
         return cls(*(
             checked_count(properties.get(key), key, minimum)
             for key, minimum in ((PARTITION_ID, 0), (NUM_PARTITIONS, 1), (NUM_TRAIN, 1), (NUM_TEST, 1))
-        ))
+        ), state_round=None if state_round is None else checked_count(state_round, STATE_ROUND))
 
 
 class PartitionRegistry:
@@ -182,12 +185,15 @@ class PartitionDiscovery:
         self.start_timeout = DISCOVERY_TIMEOUT  # how long the first discovery waits for every partition's node
         self.registry = PartitionRegistry(num_partitions, expected)
         self.nodes: dict[int, ClientProxy] = {}  # partition id -> the node holding it
+        self.query: dict[str, Any] = {}  # the config of the properties query
         self.waited_for_all = False
 
-    def discover(self, client_manager: ClientManager) -> None:
-        """Ask the nodes not asked yet (and those whose query failed) for their partition; the
-        first time, wait for as many nodes as the run has partitions, then fix that number.
-        :attr:`nodes` becomes the believed holders among the live nodes."""
+    def discover(self, client_manager: ClientManager, query: Mapping[str, Any] | None = None) -> None:
+        """Ask the nodes not asked yet (and those whose query failed) for their partition (``query``:
+        the run's identity, for the state they hold); the first time, wait for as many nodes as the
+        run has partitions, then fix that number. :attr:`nodes` becomes the believed holders among
+        the live nodes."""
+        self.query = dict(query or {})
         client_manager.wait_for(1, timeout=int(self.start_timeout))
         self._query(client_manager)
         if not self.waited_for_all:
@@ -212,7 +218,7 @@ class PartitionDiscovery:
     def _query(self, client_manager: ClientManager) -> None:
         live = client_manager.all()
         nodes = [live[node] for node in self.registry.to_query(live)]
-        ins = GetPropertiesIns(config={})
+        ins = GetPropertiesIns(config=dict(self.query))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(nodes)))) as pool:
             replies = list(pool.map(lambda p: _answer(p.get_properties, ins, self.properties_timeout, 0), nodes))
         for proxy, (reply, seconds) in zip(nodes, replies):
@@ -224,6 +230,11 @@ class PartitionDiscovery:
         """The partitions whose holder is live, in order."""
         live = client_manager.all()
         return sorted(pid for pid, proxy in self.nodes.items() if proxy.cid in live)
+
+    def state_rounds(self) -> dict[int, int | None]:
+        """Partition id -> the round of the newest state its holder said it holds (None: not said)."""
+        return {pid: getattr(self.registry.claims.get(proxy.cid), "state_round", None)
+                for pid, proxy in self.nodes.items()}
 
     def known_sizes(self, partition_id: int) -> tuple[int, int, np.ndarray | None] | None:
         """(training size, test size, class counts or None) of a partition: from the server's data

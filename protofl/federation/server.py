@@ -72,7 +72,6 @@ from protofl.federation.wire import (
     encode_array,
     parameters_bytes,
     payload_bytes,
-    round_config,
 )
 from protofl.report import RunRecorder, progress_line
 from protofl.settings import ExperimentSettings, MethodOptions
@@ -132,9 +131,10 @@ class PrototypeStrategy(Strategy):
         global_test: tuple[torch.Tensor, torch.Tensor] | None = None,
         recorder: RunRecorder | None = None,
         partition_sizes: ExpectedSizes | None = None,
+        client_state_dir: str = "",
     ) -> None:
-        """``partition_sizes``: each partition's sizes from the server's own copy of the data set,
-        which the nodes' claims must match (``verify-partitions``)."""
+        """``partition_sizes``: each partition's sizes from the server's own copy of the data set, which
+        the nodes' claims must match (``verify-partitions``); ``client_state_dir``: :class:`RunCheckpoints`'s."""
         super().__init__()
         self.settings = settings
         self.options = self.options_class.from_settings(settings)
@@ -150,7 +150,7 @@ class PrototypeStrategy(Strategy):
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
-        self.checkpoints = RunCheckpoints(settings, self.recorder)
+        self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir)
         self.releases = ReleaseLedger()  # rounds each partition released DP prototypes
         self.sampled: list[int] = []
         self.round_started = 0.0
@@ -195,11 +195,9 @@ class PrototypeStrategy(Strategy):
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
         if self.settings.model in MODEL_FAMILIES and self.shared_weights():
-            raise ValueError(
-                f"model={self.settings.model!r} gives clients different architectures, but {self.settings.method} "
-                "exchanges model parameters; use a single architecture, or a method that shares none (fedsa, "
-                "fedproto without average-parameters)"
-            )
+            raise ValueError(f"model={self.settings.model!r} gives clients different architectures, but "
+                             f"{self.settings.method} exchanges model parameters; use a single architecture, or a "
+                             "method that shares none (fedsa, fedproto without average-parameters)")
         return ndarrays_to_parameters(self.shared_weights())
 
     def round_configs(
@@ -208,15 +206,16 @@ class PrototypeStrategy(Strategy):
         """Per-client config: round, the client's seed, and the broadcast arrays (encoded once)."""
         arrays = self.broadcast(server_round) if with_broadcast else {}
         shared = {k: encode_array(v) for k, v in arrays.items()}
-        run = self.checkpoints.run_identity(server_round)
-        return [round_config(server_round, client_seed(self.settings.seed, server_round, p), *run) | shared
+        return [self.checkpoints.round_config(server_round, client_seed(self.settings.seed, server_round, p)) | shared
                 for p in partition_ids]
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
-        self.discovery.discover(client_manager)
+        self.discovery.discover(client_manager, self.checkpoints.round_config(server_round, 0))
         self.round_started = time.perf_counter()  # after discovery, which also starts the clients
+        if lost_state := self.checkpoints.check_client_state(self.discovery.state_rounds()):
+            raise RunStopped(lost_state)
         available = self.discovery.available(client_manager)
         if not available:
             raise RunStopped(f"round {server_round}: no client reported a partition id; cannot sample clients")
@@ -232,11 +231,8 @@ class PrototypeStrategy(Strategy):
         if pending is not None:  # score the previous round's model before training
             configs = [c | {EVALUATE_ROUND: pending} for c in configs]
         instructions = [(nodes[p], FitIns(parameters, c)) for p, c in zip(self.sampled, configs)]
-        self.recorder.update(
-            server_round,
-            bytes_down=sum(parameters_bytes(ins.parameters) + payload_bytes(ins.config) for _, ins in instructions),
-            clients=self.sampled,
-        )
+        down = sum(parameters_bytes(ins.parameters) + payload_bytes(ins.config) for _, ins in instructions)
+        self.recorder.update(server_round, bytes_down=down, clients=self.sampled)
         log(INFO, "round %d: training partitions %s", server_round, self.sampled)
         return instructions
 
@@ -252,6 +248,7 @@ class PrototypeStrategy(Strategy):
         if self.evaluation.pending is not None:
             self.evaluation.record(self.evaluation.pending, results, in_fit=True)
             self.evaluation.pending = None
+        self.checkpoints.trained(server_round, self.admission.partitions(results))
         updates, dropped = self.admission.replies(server_round, "fit", results, self.admission.fit_update)
         updates, screened, ratios = self.admission.screen(server_round, updates)
         dropped += screened
@@ -298,12 +295,13 @@ class PrototypeStrategy(Strategy):
     def server_state(self) -> dict[str, Any]:
         """What a resumed run needs besides the parameters and the results: the method's
         ``state_fields``, the fixed number of partitions, the DP release counts, the round whose
-        scores the next fit message asks for."""
+        scores the next fit message asks for, the last round each partition trained."""
         return {
             "fields": {name: getattr(self, name) for name in self.state_fields},
             "num_partitions": self.discovery.registry.num_partitions or 0,
             "releases": self.releases.state(),
             "pending_evaluation": self.evaluation.pending,
+            "last_trained": self.checkpoints.state(),
         }
 
     def save_checkpoint(self, server_round: int, parameters: Parameters) -> None:
@@ -319,7 +317,7 @@ class PrototypeStrategy(Strategy):
         self.releases = ReleaseLedger(state["releases"])
         self.evaluation.pending = state.get("pending_evaluation")
         self.admission.sent_parameters = list(checkpoint.parameters)
-        self.checkpoints.restore(checkpoint)
+        self.checkpoints.restore(checkpoint, state.get("last_trained"), self.options.keeps_client_state)
         log(INFO, "protofl: resuming %s after round %d", self.recorder.directory, checkpoint.server_round)
 
     # --- Strategy API: evaluation -------------------------------------------------------------

@@ -35,6 +35,7 @@ SERVER_ROUND = "server-round"
 SEED = "seed"
 RUN_KEY, RUN_TOKEN = "run-key", "run-token"  # which run's client state: its directory's name, its fresh start
 CHECKPOINTED_ROUND = "checkpointed-round"  # the round of the server's last checkpoint
+CLIENT_STATE_DIR = "client-state-dir"  # where a node without a state-dir keeps its state (simulation only)
 GLOBAL_PROTOTYPES = "global-prototypes"  # ClassVectors: FedProto, FedCoSR, FedSA
 EVALUATE_ROUND = "evaluate-round"  # in a fit config: score the model of this round before training
 # properties and metrics (client -> server)
@@ -42,6 +43,7 @@ PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 NUM_TRAIN = "num-train"
 NUM_TEST = "num-test"
+STATE_ROUND = "state-round"  # the round of the newest state a node holds for its partition (0: none)
 TRAIN_LOSS = "train-loss"
 CLASS_MEANS = "class-means"
 CLASS_COUNTS = "class-counts"
@@ -158,13 +160,14 @@ def parameters_bytes(parameters: Parameters) -> int:
 
 
 def round_config(
-    server_round: int, seed: int, run_key: str = "", run_token: str = "", checkpointed: int = 0
+    server_round: int, seed: int, run_key: str = "", run_token: str = "", checkpointed: int = 0,
+    client_state_dir: str = "",
 ) -> dict[str, Scalar]:
     """The scalars every instruction carries: the round, the client's seed for it, which run's
-    state the client keeps and the round of the server's last checkpoint (client state from before
-    it is no longer needed)."""
+    state the client keeps, the round of the server's last checkpoint (client state from before
+    it is no longer needed) and, in simulation, the default state dir."""
     return {SERVER_ROUND: server_round, SEED: seed, RUN_KEY: run_key, RUN_TOKEN: run_token,
-            CHECKPOINTED_ROUND: checkpointed}
+            CHECKPOINTED_ROUND: checkpointed} | ({CLIENT_STATE_DIR: client_state_dir} if client_state_dir else {})
 
 
 def server_round(config: Mapping[str, Scalar]) -> int:
@@ -178,6 +181,11 @@ def round_seed(config: Mapping[str, Scalar], default: int) -> int:
 def run_identity(config: Mapping[str, Scalar]) -> tuple[str, str]:
     """(run key, run token) of the run an instruction belongs to."""
     return str(config.get(RUN_KEY, "")), str(config.get(RUN_TOKEN, ""))
+
+
+def client_state_dir(config: Mapping[str, Scalar]) -> str:
+    """The state dir the server names for nodes that set none (simulation); empty: none named."""
+    return str(config.get(CLIENT_STATE_DIR, ""))
 
 
 def checkpointed_round(config: Mapping[str, Scalar]) -> int:

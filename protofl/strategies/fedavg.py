@@ -24,6 +24,10 @@ class FedAvgOptions(MethodOptions):
     weighted: bool = True  # by local training size; false: unweighted
     personal_model: Literal["global", "local"] = "global"
 
+    @property
+    def keeps_client_state(self) -> bool:
+        return self.personal_model == "local"
+
 
 class FedAvgStrategy(PrototypeStrategy):
     options_class = FedAvgOptions

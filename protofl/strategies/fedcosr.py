@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ LOSS_KEYS = (CE_LOSS, CONTRASTIVE_LOSS)
 
 @dataclass(frozen=True)
 class FedCoSROptions(MethodOptions):
+    keeps_client_state: ClassVar[bool] = True  # the personal model and L_Reg of its last epoch
     contrastive_weight: float = 1.0  # alpha (Eq. 14), not in the paper
     temperature: float = 0.1  # tau_CL (Eq. 13), not in the paper
     gamma: float = 1.0  # Eq. 7, not in the paper

@@ -23,7 +23,7 @@ Scale s: fixed (paper, s = 30) or learnable, trained by the clients and averaged
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ PROTOTYPES = "prototypes"  # W, C x d unit rows, broadcast in the fit and evalua
 
 @dataclass(frozen=True)
 class FedNHOptions(MethodOptions):
+    keeps_client_state: ClassVar[bool] = True  # the personal model
     rho: float = 0.9
     prototype_init: Literal["simplex", "orthogonal"] = "simplex"
     prototype_means: Literal["normalized", "raw"] = "normalized"

@@ -39,6 +39,10 @@ class FedProtoOptions(MethodOptions):
     inference: Literal["prototype", "head"] = "prototype"
     prototype_pass: PrototypePass = "post-eval"
 
+    @property
+    def keeps_client_state(self) -> bool:
+        return not self.average_parameters  # the personal model
+
     def shares(self, name: str) -> bool:
         return self.average_parameters
 

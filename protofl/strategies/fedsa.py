@@ -28,7 +28,7 @@ Evaluation on the local test split with three predictors, all logged: nearest gl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.settings import ExperimentSettings, MethodOptions
-from protofl.task.models import MODEL_FAMILIES
+from protofl.task.models import MODEL_FAMILIES, SeededDraws
 from protofl.task.prototypes import aggregate_prototypes
 from protofl.task.train import PrototypePass, head_prediction, nearest_prototype
 
@@ -50,6 +50,7 @@ LOSS_KEYS = ("regularization-loss", "margin-contrastive-loss", "calibration-loss
 
 @dataclass(frozen=True)
 class FedSAOptions(MethodOptions):
+    keeps_client_state: ClassVar[bool] = True  # the personal model and its margin
     lambda_r: float = 10.0  # lambda_1; the paper writes 0.1, every official script runs 10 with this MSE form
     lambda_mcl: float | Literal["auto"] = "auto"  # lambda_2: "auto" = 0.01 for one architecture, 1.0 for a family
     lambda_cc: float = 1.0  # lambda_3
@@ -84,8 +85,7 @@ def initial_anchors(num_classes: int, dim: int, seed: int, projected: bool = Tru
     """A^0 (C x D float32): N(0, I) class vectors, through an untrained Linear-BN-ReLU x2 embedding
     (PyTorch's default init; the BatchNorms standardise each dimension across the C vectors, as in
     training mode) with ``projected``, else raw. The same seed gives the same anchors."""
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
+    with SeededDraws(seed), torch.no_grad():
         anchors = torch.randn(num_classes, dim)
         if projected:
             embedding = nn.Sequential(

@@ -9,11 +9,12 @@ architecture per client: client i gets the family's architecture i mod X.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 class SplitModel(nn.Module):
@@ -245,11 +246,37 @@ def client_architecture(model: str, partition_id: int) -> str:
     return model
 
 
+# torch's functions that draw random numbers and take a ``generator`` (module constructors and
+# torchvision call the nn.init ones, and those the tensor methods)
+_RANDOM_DRAWS = frozenset({
+    "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "rand", "randn", "randint", "randperm",
+    "normal", "bernoulli", "multinomial", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+    "xavier_normal_", "trunc_normal_", "orthogonal_", "sparse_",
+})
+
+
+class SeededDraws(TorchFunctionMode):
+    """``with SeededDraws(seed):``, every random draw of torch in this thread that would use the
+    global generator uses a generator of its own, seeded with ``seed``, instead: the same draws as
+    after ``torch.manual_seed(seed)`` (both are the CPU's Mersenne Twister), but neither read nor
+    moved by other threads (torch function modes are per thread). So models built on threads
+    (Flower's thread pool, in-process federations) equal those built in separate processes."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__name__", "") in _RANDOM_DRAWS and kwargs.get("generator") is None:
+            kwargs["generator"] = self.generator
+        return func(*args, **kwargs)
+
+
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int, seed: int) -> SplitModel:
-    """A freshly initialised model; the same seed gives the same weights everywhere."""
+    """A freshly initialised model; the same seed gives the same weights everywhere, on any thread."""
     if name not in MODELS:
         known = sorted(MODELS) + sorted(MODEL_FAMILIES)
         raise ValueError(f"model must be one of {known}, got {name!r}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with SeededDraws(seed):
         return MODELS[name](in_channels, num_classes, image_size)

@@ -1,0 +1,118 @@
+"""What keeping client state on disk (the default) costs a round, against keeping it in memory.
+
+    python benchmarks/client_state.py --models cnn tv-resnet18 --out runs/client-state
+
+For each model, a FedProto client (its state: the whole personal model) of partition 0 fits once
+per round for ``--rounds`` rounds, twice over, alternating: with the state in memory
+(``state-dir="memory"``) and on disk (the default, a state dir as in simulation), each fit the whole
+client (``client_fn``, restore, one local epoch, the prototype pass, the upload, the save). The
+table gives the median fit time of each; the times of the save alone (``ClientStateStore.save``:
+``.npz`` bytes, a temporary file fsynced and renamed, the directory fsynced, old versions deleted)
+and of the load (the newest version read back), and their share of the disk fit; the bytes of one
+version and what the partition's directory holds after the last round (``checkpoint-every=1``: two
+versions). Round 1 of each side is left out (warm-up). Writes ``<out>/client_state.json`` and
+``<out>/client_state.md`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from compare import machine_description  # noqa: E402
+from flwr.app import RecordDict  # noqa: E402
+from flwr.common import Context, FitIns, ndarrays_to_parameters  # noqa: E402
+
+from protofl.client_app import make_client_fn  # noqa: E402
+from protofl.federation import checkpoint  # noqa: E402
+from protofl.federation.wire import round_config  # noqa: E402
+from protofl.settings import default_run_config, parse_overrides  # noqa: E402
+
+
+def measure(model: str, args: argparse.Namespace) -> dict:
+    run_config = default_run_config(ROOT / "pyproject.toml") | parse_overrides(args.run_config) | {
+        "method": "fedproto", "model": model}
+    node_config = {"partition-id": 0, "num-partitions": args.num_partitions}
+    timings: dict[str, list[float]] = {"save": [], "load": []}
+    originals = {name: getattr(checkpoint.ClientStateStore, name) for name in timings}
+
+    def timed(name):
+        def call(self, *a, **kw):
+            started = time.perf_counter()
+            result = originals[name](self, *a, **kw)
+            if self.directory is not None:
+                timings[name].append(time.perf_counter() - started)
+            return result
+        return call
+
+    for name in timings:
+        setattr(checkpoint.ClientStateStore, name, timed(name))
+    fits: dict[str, list[float]] = {"memory": [], "disk": []}
+    with tempfile.TemporaryDirectory(prefix="protofl-state-") as state_dir:
+        contexts = {"memory": RecordDict(), "disk": RecordDict()}
+        functions = {"memory": make_client_fn(run_config | {"state-dir": "memory"}), "disk": make_client_fn(run_config)}
+        for server_round in range(1, args.rounds + 1):
+            config = round_config(server_round, server_round, "bench", "ab", server_round - 1, state_dir)
+            for side in ("memory", "disk") if server_round % 2 else ("disk", "memory"):
+                context = Context(run_id=1, node_id=1, node_config=node_config, state=contexts[side], run_config={})
+                started = time.perf_counter()
+                functions[side](context).fit(FitIns(ndarrays_to_parameters([]), config))
+                fits[side].append(time.perf_counter() - started)
+        folder = Path(state_dir) / "bench" / "partition-0"
+        versions = sorted(folder.glob("*.npz"))
+        version_bytes = versions[-1].stat().st_size
+        on_disk = sum(p.stat().st_size for p in versions)
+    for name, original in originals.items():
+        setattr(checkpoint.ClientStateStore, name, original)
+    memory_fit, disk_fit = statistics.median(fits["memory"][1:]), statistics.median(fits["disk"][1:])
+    save, load = statistics.median(timings["save"][1:]), statistics.median(timings["load"][1:])
+    return {
+        "model": model, "rounds": args.rounds, "fit_memory_s": round(memory_fit, 3), "fit_disk_s": round(disk_fit, 3),
+        "save_s": round(save, 4), "load_s": round(load, 4), "save_load_share": round((save + load) / disk_fit, 4),
+        "version_mib": round(version_bytes / 2**20, 2), "on_disk_mib": round(on_disk / 2**20, 2),
+        "versions_kept": len(versions),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | fit, memory (s) | fit, disk (s) | save (s) | load (s) | (save + load) / fit | "
+             "one version (MiB) | on disk per client (MiB, versions) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['fit_memory_s']} | {r['fit_disk_s']} | {r['save_s']} | {r['load_s']} | "
+                     f"{100 * r['save_load_share']:.1f} % | {r['version_mib']} | "
+                     f"{r['on_disk_mib']} ({r['versions_kept']}) |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["cnn", "tv-resnet18"])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--num-partitions", type=int, default=20)
+    parser.add_argument("--run-config", default="dataset='fmnist' local-epochs=1 batch-size=10 lr=0.005",
+                        help="run-config overrides (flwr's form)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "client-state")
+    args = parser.parse_args()
+    rows = []
+    for model in args.models:
+        rows.append(measure(model, args))
+        print(rows[-1], flush=True)
+    text = table(rows)
+    header = f"{datetime.date.today()}, {machine_description()}, `{' '.join(sys.argv)}`\n\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "client_state.md").write_text(header + text)
+    (args.out / "client_state.json").write_text(json.dumps(rows, indent=2))
+    print("\n" + header + text)
+
+
+if __name__ == "__main__":
+    main()
