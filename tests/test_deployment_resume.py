@@ -5,6 +5,7 @@ its ServerApp and one SuperNode in round 3 of 4; the SuperNode is restarted,
 faults (in one process, with the nodes' one torch thread: the numbers are the same)."""
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -33,8 +34,19 @@ def deployment(tmp_path):
     started.stop()
 
 
-def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results(tmp_path, deployment):
+def compose_without_state_dirs() -> dict:
+    """The compose demo's command lines without their state-dir: the deployment default."""
     compose = three_node_compose()
+    for i in range(1, NUM_NODES + 1):
+        command = compose["services"][f"supernode-{i}"]["command"]
+        at = command.index("--node-config") + 1
+        command[at] = re.sub(r'\s*state-dir="[^"]*"', "", command[at])
+        assert "state-dir" not in command[at]
+    return compose
+
+
+def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results(tmp_path, deployment):
+    compose = compose_without_state_dirs()
     link = ("127.0.0.1", native.free_port())
     nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
     addresses = native.start_federation(deployment, compose, link, nodes)
