@@ -2,25 +2,42 @@
 SuperLink, or run a 2-round FedProto job on digits through its published port (or the operator's
 tunnel to the edge) and check what the ServerApp wrote (results.json, read from its container) and
 what every container logged; or attack the edge of the auth variant from outside and check that
-nothing got through.
+nothing got through; or crash containers mid-run (``faults``) and check that the restart policies,
+the state volumes and ``resume=true`` carry the runs through.
 
     python deploy/compose_e2e.py register --port P --home DIR [--root-certificates CA] --keys KEY.pub ...
     python deploy/compose_e2e.py run --port P --home DIR [--root-certificates CA] --name NAME \
         --compose "docker-compose --project-name X -f docker-compose.yml ..."
     python deploy/compose_e2e.py attack --port EDGE --home DIR --root-certificates CA --stranger DIR \
         --compose "..."
+    python deploy/compose_e2e.py faults --port P --home DIR --compose "..."   (the insecure demo)
+
+The faults, each run a FedProto job on digits with a checkpoint after every round:
+
+1. a SuperNode crashes mid-round (its container's main process SIGKILLed from the host, which is
+   what Docker's restart policy answers; ``docker kill`` is an operator's stop, which it does not):
+   the container must come back by itself, its node rejoin (its partition trains again), and the
+   6-round run finish (``min-fit-clients=1``: the round it died in goes on with the other node);
+2. the ServerApp's SuperExec crashes mid-run, after a checkpoint, and superexec-clientapp-1 is
+   re-created meanwhile (so partition 0's state can only come from its volume, client-state-1):
+   once the SuperExec is back, ``flwr run ... run-name=<same> resume=true`` must finish the run,
+   and every round's record (but its timings) must equal that of the same run made without faults
+   in the same deployment.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import edge
 import native
@@ -29,6 +46,16 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_NODES = 2
 SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
                                                   for kind in ("supernode", "superexec-clientapp"))]
+# seconds a round waits for replies: a CPU round of the demo takes 6-17 s on a 2-core machine (the
+# first one up to ~25 s with the ClientApps' cold start); a SuperNode that died fails on its own
+# within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner
+ROUND_TIMEOUT = 60.0
+# the demo's run config, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
+# (docker-compose.yml's header, README "Docker compose") passes it; every run below adds to it
+DEMO_RUN_CONFIG = f"round-timeout={ROUND_TIMEOUT}"
+RUNS = "/app/protofl-runs"  # the ServerApp's output-dir in superexec-serverapp (the results volume)
+# what may differ between an interrupted run and one that was not (as in tests/test_resume.py)
+TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 
 
 def wait_until_ready(home: Path, timeout: float = 180) -> None:
@@ -43,15 +70,101 @@ def wait_until_ready(home: Path, timeout: float = 180) -> None:
         time.sleep(2)
 
 
-def run(home: Path, name: str, compose: list[str]) -> None:
-    run_config = f"method='fedproto' num-server-rounds=2 run-name='{name}'"
-    done = native.flwr(home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config], timeout=900)
+class Deployment:
+    """The running compose project: its containers, what the ServerApp wrote, crashes."""
+
+    def __init__(self, compose: list[str]) -> None:
+        self.compose = compose
+
+    def __call__(self, *args: str, timeout: float = 120) -> str:
+        """``docker-compose ... <args>``'s output; a failure ends the test."""
+        done = subprocess.run([*self.compose, *args], capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            sys.exit(f"docker-compose {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        return done.stdout
+
+    def container(self, service: str) -> str:
+        """The id of the service's container."""
+        container = self("ps", "-q", service).strip()
+        if not container:
+            sys.exit(f"{service} has no container")
+        return container
+
+    def state(self, service: str) -> dict[str, Any]:
+        """``docker inspect``'s State of the service's container, and its RestartCount."""
+        inspected = json.loads(subprocess.run(["docker", "inspect", self.container(service)], capture_output=True,
+                                              text=True, timeout=60, check=True).stdout)[0]
+        return inspected["State"] | {"RestartCount": inspected["RestartCount"]}
+
+    def exec(self, service: str, *command: str) -> subprocess.CompletedProcess:
+        """``command`` in the service's container (it fails while the container is down)."""
+        return subprocess.run(["docker", "exec", self.container(service), *command], capture_output=True,
+                              text=True, timeout=60)
+
+    def results(self, name: str) -> dict[str, Any] | None:
+        """The run's results.json as the ServerApp last wrote it (atomically), or None."""
+        done = self.exec("superexec-serverapp", "cat", f"{RUNS}/{name}/results.json")
+        return json.loads(done.stdout) if done.returncode == 0 and done.stdout else None
+
+    def wait_for_results(self, name: str, condition: Callable[[dict[str, Any]], bool], timeout: float,
+                         what: str) -> dict[str, Any]:
+        """The run's first results.json for which ``condition`` holds (polled, bounded)."""
+
+        def met() -> dict[str, Any] | None:
+            results = self.results(name)
+            return results if results is not None and condition(results) else None
+
+        return wait_for(met, timeout, f"{what} of {name}")
+
+    def crash(self, service: str) -> int:
+        """SIGKILL the container's main process from the host: a crash, which Docker answers with the
+        restart policy (``docker kill`` counts as the operator's stop, which it does not). Returns the
+        RestartCount before."""
+        state = self.state(service)
+        if not state["Running"]:
+            sys.exit(f"{service} is not running: {state}")
+        os.kill(state["Pid"], signal.SIGKILL)
+        return state["RestartCount"]
+
+    def wait_restarted(self, service: str, restarts: int, timeout: float = 60) -> float:
+        """Until the service's container runs again after ``restarts`` restarts, by itself; seconds taken."""
+        started = time.monotonic()
+
+        def restarted() -> bool:
+            state = self.state(service)
+            return state["Running"] and state["RestartCount"] > restarts
+
+        wait_for(restarted, timeout, f"{service} running again after its crash (restart policy)")
+        return time.monotonic() - started
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
+    """``condition()``'s first true value, polled; ends the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+    return value
+
+
+def flwr_run(home: Path, run_config: str, stream: bool = True, timeout: float = 900) -> str:
+    """``flwr run`` of this checkout on the deployment with the demo's run config and ``run_config``:
+    streamed to its end, or only submitted; its output (a failure ends the test)."""
+    args = ["run", str(ROOT), "deployment", *(["--stream"] if stream else []),
+            "--run-config", f"{DEMO_RUN_CONFIG} {run_config}"]
+    done = native.flwr(home, args, timeout=timeout)
     if done.returncode != 0:
         sys.exit(f"flwr run failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
-    path = f"/app/protofl-runs/{name}/results.json"
-    text = subprocess.run([*compose, "exec", "-T", "superexec-serverapp", "cat", path],
-                          capture_output=True, text=True, timeout=120, check=True).stdout
-    native.check_fedproto_results(json.loads(text), NUM_NODES)
+    return done.stdout + done.stderr
+
+
+def run(home: Path, name: str, compose: list[str]) -> None:
+    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}'")
+    results = Deployment(compose).results(name)
+    if results is None:
+        sys.exit(f"{RUNS}/{name}/results.json is not in superexec-serverapp")
+    native.check_fedproto_results(results, NUM_NODES)
     logs = subprocess.run([*compose, "logs", "--no-color", *SERVICES], capture_output=True, text=True,
                           timeout=120, check=True).stdout
     if "Traceback" in logs:
@@ -60,6 +173,104 @@ def run(home: Path, name: str, compose: list[str]) -> None:
         if f"{service}_" not in logs and f"{service}-" not in logs:
             sys.exit(f"no log lines from {service}")
     print(f"{name}: results.json checked ({NUM_NODES} clients, 2 rounds), no tracebacks in the logs")
+
+
+def recorded(results: dict[str, Any] | None) -> list[int]:
+    """The rounds results.json records."""
+    return [r["round"] for r in (results or {}).get("rounds", [])]
+
+
+def finished(results: dict[str, Any] | None) -> bool:
+    """Whether the ServerApp wrote the run's last results.json (its summary, at the end)."""
+    return results is not None and "total_seconds" in results
+
+
+def without_timing(results: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
+
+
+def node_fault(home: Path, deployment: Deployment) -> None:
+    """A SuperNode crashes mid-round: it comes back by itself, rejoins, and the run finishes."""
+    name, rounds, node = "node-fault", 6, "supernode-1"  # partition 0
+    started = time.monotonic()
+    flwr_run(home, f"method='fedproto' num-server-rounds={rounds} checkpoint-every=1 min-fit-clients=1 "
+                   f"run-name='{name}'", stream=False, timeout=120)
+    before = deployment.wait_for_results(name, lambda r: len(recorded(r)) >= 2, 600, "round 2")
+    if finished(before):
+        sys.exit(f"{name} ended before {node} could be killed")
+    killed_after = max(recorded(before))
+    restarts = deployment.crash(node)
+    killed_at = time.monotonic()
+    back = deployment.wait_restarted(node, restarts)
+    results = deployment.wait_for_results(name, finished, rounds * 2 * ROUND_TIMEOUT, "the end")
+    if results.get("stopped") or recorded(results) != list(range(1, rounds + 1)):
+        sys.exit(f"{name} did not finish its {rounds} rounds: stopped={results.get('stopped')!r}, "
+                 f"rounds {recorded(results)}")
+    by_round = {r["round"]: r for r in results["rounds"]}
+    rejoined = [r for r in range(killed_after + 2, rounds + 1) if 0 in by_round[r]["clients"]
+                and not by_round[r]["rejected"]]
+    last = by_round[rounds]
+    if not rejoined or last["clients"] != list(range(NUM_NODES)) or last["rejected"]:
+        sys.exit(f"{node}'s partition did not train again after its crash (in round {killed_after + 1}):\n"
+                 + "\n".join(f"round {r}: clients {by_round[r]['clients']}, rejected {by_round[r]['rejected']}"
+                              for r in sorted(by_round)))
+    print(f"node fault: {node} crashed in round {killed_after + 1} (SIGKILL), running again "
+          f"{back:.1f} s later (restart policy); round {killed_after + 1}: clients "
+          f"{by_round[killed_after + 1]['clients']}, rejected {by_round[killed_after + 1]['rejected']}, "
+          f"{by_round[killed_after + 1]['seconds']:.1f} s; partition 0 trained again from round {rejoined[0]}; "
+          f"{rounds} rounds, finished {time.monotonic() - killed_at:.0f} s after the crash "
+          f"({time.monotonic() - started:.0f} s in all)")
+
+
+def serverapp_fault(home: Path, deployment: Deployment) -> None:
+    """The ServerApp's SuperExec crashes after a checkpoint (and a ClientApp SuperExec is re-created):
+    ``resume=true`` finishes the run, with the rounds of the same run made without faults."""
+    name, reference, rounds = "serverapp-fault", "uninterrupted", 4
+    config = f"method='fedproto' num-server-rounds={rounds} checkpoint-every=1"
+    started = time.monotonic()
+    flwr_run(home, f"{config} run-name='{name}'", stream=False, timeout=120)
+    checkpoint = f"{RUNS}/{name}/checkpoint.npz"
+
+    def checkpointed(results: dict[str, Any]) -> bool:
+        return len(recorded(results)) >= 2 and deployment.exec("superexec-serverapp", "test", "-f",
+                                                                 checkpoint).returncode == 0
+
+    before = deployment.wait_for_results(name, checkpointed, 600, "round 2 and a checkpoint")
+    if finished(before):
+        sys.exit(f"{name} ended before superexec-serverapp could be killed")
+    restarts = deployment.crash("superexec-serverapp")
+    back = deployment.wait_restarted("superexec-serverapp", restarts)
+    # a fresh container for partition 0's ClientApps: the state it continues from is on its volume only
+    deployment("up", "-d", "--no-deps", "--force-recreate", "superexec-clientapp-1", timeout=300)
+    listed = deployment.exec("superexec-clientapp-1", "ls", f"/app/client-state/{name}/partition-0")
+    if not re.search(r"round-\d+\.\w+\.npz", listed.stdout):
+        sys.exit(f"the re-created superexec-clientapp-1 holds no state of {name} in /app/client-state:\n"
+                 f"{listed.stdout}{listed.stderr}")
+    interrupted = time.monotonic()
+    output = flwr_run(home, f"{config} run-name='{name}' resume=true")
+    resumed = deployment.results(name)
+    if "resuming" not in output or not finished(resumed) or resumed.get("stopped"):
+        sys.exit(f"{name} did not resume to its end (stopped={(resumed or {}).get('stopped')!r}):\n{output[-4000:]}")
+    resumed_seconds = time.monotonic() - interrupted
+    flwr_run(home, f"{config} run-name='{reference}'")
+    whole = deployment.results(reference)
+    got, want = without_timing(resumed), without_timing(whole)
+    if not [r["round"] for r in got] == [r["round"] for r in want] == list(range(1, rounds + 1)):
+        sys.exit(f"rounds {[r['round'] for r in got]} after the resume, {[r['round'] for r in want]} without faults")
+    differences = [f"round {a['round']}: {key}: resumed {a.get(key)!r}, uninterrupted {b.get(key)!r}"
+                   for a, b in zip(got, want) for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+    if differences:
+        sys.exit(f"{name} (resumed) and {reference} differ:\n" + "\n".join(differences))
+    print(f"ServerApp fault: superexec-serverapp crashed after round {max(recorded(before))} (checkpoint of round "
+          f"{max(resumed['resumed_after'])}), running again {back:.1f} s later; superexec-clientapp-1 re-created; "
+          f"resume=true finished the run in {resumed_seconds:.0f} s; its {rounds} rounds equal {reference}'s "
+          f"but for {', '.join(sorted(TIMING))} ({time.monotonic() - started:.0f} s in all)")
+
+
+def faults(home: Path, compose: list[str]) -> None:
+    deployment = Deployment(compose)
+    node_fault(home, deployment)
+    serverapp_fault(home, deployment)
 
 
 def attack(home: Path, port: int, ca: Path, stranger: Path, compose: list[str]) -> None:
@@ -96,13 +307,13 @@ def attack(home: Path, port: int, ca: Path, stranger: Path, compose: list[str]) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["register", "run", "attack"])
+    parser.add_argument("action", choices=["register", "run", "attack", "faults"])
     parser.add_argument("--port", type=int, required=True, help="the port on 127.0.0.1 that flwr dials")
     parser.add_argument("--home", type=Path, required=True, help="a Flower home for the flwr CLI")
     parser.add_argument("--root-certificates", type=Path, help="the CA certificate (TLS variants)")
     parser.add_argument("--name", default="e2e", help="the run's name (its results directory)")
     parser.add_argument("--keys", nargs="+", default=[], help="register: the SuperNodes' public keys")
-    parser.add_argument("--compose", default="", help="run, attack: the docker-compose command of the project")
+    parser.add_argument("--compose", default="", help="run, attack, faults: the docker-compose command of the project")
     parser.add_argument("--stranger", type=Path, help="attack: credentials of another CA (operator.crt/.key)")
     args = parser.parse_args()
     home = native.cli_home(args.home, f"127.0.0.1:{args.port}", args.root_certificates)
@@ -112,6 +323,8 @@ def main() -> None:
     wait_until_ready(home)
     if args.action == "register":
         native.register_keys(home, [Path(key) for key in args.keys])
+    elif args.action == "faults":
+        faults(home, shlex.split(args.compose))
     else:
         run(home, args.name, shlex.split(args.compose))
 

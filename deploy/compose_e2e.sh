@@ -2,7 +2,10 @@
 # The docker compose demo, built and run for real: the insecure demo, then the TLS + SuperNode
 # authentication variant behind the edge (the operator's flwr through deploy/operator_tunnel.py,
 # outsiders refused), each a 2-round FedProto run on digits with 2 SuperNodes, its results.json
-# and the containers' logs checked. Run as root from a checkout set up with ./setup.sh:
+# and the containers' logs checked. The insecure demo then survives faults (deploy/compose_e2e.py
+# faults): a SuperNode crashed mid-round comes back by itself and the run finishes; a run whose
+# ServerApp's SuperExec crashed resumes (resume=true) to the rounds of the same run made without
+# faults. Run as root from a checkout set up with ./setup.sh:
 #
 #   deploy/compose_e2e.sh
 #
@@ -100,7 +103,7 @@ export SUPERLINK_PUBLIC_ADDRESS=127.0.0.1 SUPERLINK_PUBLIC_PORT=$((SUPERLINK_POR
 export CREDENTIALS_DIR=$work/credentials
 [ "$FLOWER_IMAGES" = flwr ] || export EDGE_BASE_IMAGE=protofl-debian:bookworm
 tunnel_port=$((SUPERLINK_PORT + 2))
-flwr_side() {  # flwr_side register|run|attack <variant> [args]: deploy/compose_e2e.py
+flwr_side() {  # flwr_side register|run|attack|faults <variant> [args]: deploy/compose_e2e.py
   local action=$1 variant=$2
   shift 2
   "$python" deploy/compose_e2e.py "$action" --home "$work/$variant-home" "$@"
@@ -112,6 +115,10 @@ compose build --quiet
 compose up -d
 flwr_side run insecure --port "$SUPERLINK_PORT" --name insecure \
   --compose "docker-compose --project-name $project ${compose_files[*]}"
+log "insecure demo: faults (a SuperNode crashed mid-round; the ServerApp's SuperExec crashed, the run resumed)"
+flwr_side faults insecure --port "$SUPERLINK_PORT" \
+  --compose "docker-compose --project-name $project ${compose_files[*]}"
+log "insecure demo: done"
 down insecure
 
 log "TLS + SuperNode authentication behind the edge: credentials, the SuperLink and the edge, the operator's tunnel"

@@ -92,6 +92,57 @@ def test_topology_each_supernode_has_its_partition_and_its_clientapp(variant):
     assert option(compose["services"]["superexec-serverapp"]["command"], "--runtime-api-address") == "superlink:8000"
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_the_superlink_supernodes_and_superexecs_restart_unless_stopped(variant):
+    """A crashed SuperLink, SuperNode or SuperExec comes back by itself, however often (not "on-failure:3")."""
+    compose = native.load_compose(*variant)
+    restarting = [name for name in compose["services"] if name.startswith(("supernode-", "superexec-", "superlink"))]
+    assert len(restarting) == 2 * len(supernodes(compose)) + 2  # nodes, their ClientApps', the ServerApp's, the link
+    for name in restarting:
+        assert compose["services"][name].get("restart") == "unless-stopped", name
+
+
+def app_stage_creates(directory: str) -> bool:
+    """Whether deploy/Dockerfile's app stage makes ``directory`` (as the image's user, "app"): a named
+    volume mounted there first takes its owner, so the runtime user (uid 49999) can write to it."""
+    stage = (ROOT / "deploy" / "Dockerfile").read_text().split(" AS app", 1)[1]
+    return any(re.search(rf"mkdir -p\b[^\n]*\s{re.escape(directory)}(\s|$)", line) for line in stage.splitlines()
+               if line.startswith("RUN"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_each_clientapp_keeps_its_supernodes_state_dir_on_a_volume_of_its_own(variant):
+    """A SuperNode's ClientApps run in its superexec-clientapp-N (process isolation): the node config's
+    state-dir must be a named volume of that container, and of no other, so that the partition's
+    state survives restarts and re-creations (a resumed run needs it)."""
+    compose = native.load_compose(*variant)
+    volumes = set(compose["volumes"])
+    mounted_by = {volume: [name for name, service in compose["services"].items()
+                           if any(entry.split(":")[0] == volume for entry in service.get("volumes", []))]
+                  for volume in volumes}
+    state_volumes = set()
+    for i, name in enumerate(supernodes(compose), 1):
+        node_config = dict(item.split("=", 1) for item in option(compose["services"][name]["command"],
+                                                                 "--node-config").split())
+        state_dir = node_config["state-dir"].strip('"')
+        # under the home: /app in the images; in the native runs of these command lines (tests/
+        # test_deployment*.py) each service's own directory
+        assert state_dir.startswith("~/"), state_dir
+        target = "/app" + state_dir[1:]
+        clientapp = f"superexec-clientapp-{i}"
+        mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in compose["services"][clientapp]["volumes"]}
+        assert mounts.get(target) in volumes, (clientapp, target, mounts)  # a named volume, not a host path
+        assert mounted_by[mounts[target]] == [clientapp]  # no other container shares it
+        state_volumes.add(mounts[target])
+        assert app_stage_creates(target), target
+    assert len(state_volumes) == len(supernodes(compose))  # one for each node
+
+
+def test_the_state_volume_check_sees_a_missing_mount_point():
+    assert app_stage_creates("/app/protofl-runs") and app_stage_creates("/app/client-state")
+    assert not app_stage_creates("/app/client") and not app_stage_creates("/app/state")  # the SuperLink's stage
+
+
 @pytest.mark.parametrize("variant", [("tls",), ("tls", "auth")], ids="+".join)
 def test_tls_variants_use_mounted_credentials_and_never_insecure(variant):
     compose = native.load_compose(*variant)

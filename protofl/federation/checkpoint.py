@@ -218,7 +218,7 @@ class RunCheckpoints:
         lost = self.lost_state(state_rounds)
         if not lost:
             return None
-        what = (f"partitions {', '.join(map(str, lost))} trained before round {self.checkpointed_round + 1}, but "
+        what = (f"partition{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} trained before round {self.checkpointed_round + 1}, but "
                 f"their nodes hold no state of this run from their last training (personal models, ...) in "
                 f"{self.state_location}")
         if not self.fresh_clients_allowed:
