@@ -35,7 +35,8 @@ EvaluateClients = Literal["sampled", "all"]
 EvaluationMessage = Literal["fit", "evaluate"]
 Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
-# Settings a resumed run may change: extend the run, checkpoint at another interval.
+# Settings a resumed run may change: extend the run, checkpoint at another interval, accept clients
+# that lost their state.
 RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients"})
 
 

@@ -218,7 +218,8 @@ class RunCheckpoints:
         lost = self.lost_state(state_rounds)
         if not lost:
             return None
-        what = (f"partition{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} trained before round {self.checkpointed_round + 1}, but "
+        partitions = f"partition{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+        what = (f"{partitions} trained before round {self.checkpointed_round + 1}, but "
                 f"their nodes hold no state of this run from their last training (personal models, ...) in "
                 f"{self.state_location}")
         if not self.fresh_clients_allowed:
@@ -387,7 +388,7 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
     if conflicts:
         raise ValueError(
             f"resume=true: the run config differs from the checkpoint's in {', '.join(conflicts)}; only "
-            "num-server-rounds and checkpoint-every may change when a run resumes"
+            "num-server-rounds, checkpoint-every and resume-fresh-clients may change when a run resumes"
         )
     if checkpoint.server_round >= settings.num_server_rounds:
         raise ValueError(
