@@ -285,14 +285,12 @@ class ClientStateStore:
 
     @property
     def directory(self) -> Path | None:
-        """Where the state files go; None: in memory."""
+        """Where the state files go (created by the first save); None: in memory."""
         if self.state_dir == MEMORY:
             return None
         if self.state_dir:
             return Path(self.state_dir).expanduser()
-        directory = Path(self.suggested) if self.suggested else node_state_directory()
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return directory
+        return Path(self.suggested) if self.suggested else node_state_directory()
 
     @staticmethod
     def _token(token: str) -> str:
@@ -345,6 +343,8 @@ class ClientStateStore:
 
             self.memory[MEMORY_RECORD] = ConfigRecord({"arrays": data, "round": server_round})
             return
+        if not self.state_dir:  # a default one: only this node's user may enter it
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder = self._folder(directory, run_name)
         atomic_write(folder / f"round-{server_round}.{self._token(token)}.npz", data)
         versions = self._versions(run_name, token, None)

@@ -218,7 +218,7 @@ class PartitionDiscovery:
     def _query(self, client_manager: ClientManager) -> None:
         live = client_manager.all()
         nodes = [live[node] for node in self.registry.to_query(live)]
-        ins = GetPropertiesIns(config=dict(self.query))
+        ins = GetPropertiesIns(config=self.query)
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(nodes)))) as pool:
             replies = list(pool.map(lambda p: _answer(p.get_properties, ins, self.properties_timeout, 0), nodes))
         for proxy, (reply, seconds) in zip(nodes, replies):
