@@ -46,7 +46,7 @@ from protofl.task.data import DATASETS, SHAPES, black_level  # noqa: E402
 from protofl.task.models import build_model, client_architecture  # noqa: E402
 from protofl.task.partition import client_split, partition_indices  # noqa: E402
 from protofl.task.sampling import client_seed  # noqa: E402
-from protofl.task.train import AMPS, features_and_logits, get_device, train  # noqa: E402
+from protofl.task.train import features_and_logits, get_device, resolve_amp, train  # noqa: E402
 from protofl.task.weights import get_weights, set_weights  # noqa: E402
 
 
@@ -136,6 +136,9 @@ def preset_clients(preset: Path | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
+OLD_DEFAULTS = "amp='off' channels-last=false"  # float32, NCHW: the defaults before issue 35
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", type=Path, help="a preset file (presets/*.toml) to start from")
@@ -143,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-clients", type=int, help="default: the preset's num-supernodes, else 10")
     parser.add_argument("--batch-sizes", default="", help="comma-separated, e.g. 10,64 (default: batch-size)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round")
-    parser.add_argument("--amp", choices=AMPS, help="default: the run config's amp")
-    parser.add_argument("--channels-last", action="store_true", help="default: the run config's channels-last")
+    parser.add_argument("--models", default="", help="comma-separated backbones, each measured in turn "
+                        "(default: the run config's model)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=OVERRIDES",
+                        help="run-config overrides measured side by side with the others, per model and batch "
+                        f"size, e.g. \"fp32-nchw={OLD_DEFAULTS}\" \"defaults=\" (default: the run config)")
     parser.add_argument("--device", help="default: cuda when there is a GPU, else cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (a Ray ClientApp gets its num-cpus)")
     parser.add_argument("--out", type=Path, required=True)
@@ -152,25 +158,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
-    overrides = parse_overrides(f"{preset_overrides(args.preset) if args.preset else ''} {args.run_config}")
-    if args.amp:
-        overrides["amp"] = args.amp
-    if args.channels_last:
-        overrides["channels-last"] = True
-    settings = ExperimentSettings.from_run_config(default_run_config(ROOT / "pyproject.toml") | overrides)
-    if settings.dataset not in SHAPES:
-        parser.error(f"no shapes for dataset {settings.dataset!r}")
+    base = f"{preset_overrides(args.preset) if args.preset else ''} {args.run_config}"
+    variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant) or {"run config": ""}
+    defaults = default_run_config(ROOT / "pyproject.toml")
+    base_settings = ExperimentSettings.from_run_config(defaults | parse_overrides(base))
+    models = [m.strip() for m in args.models.split(",") if m.strip()] or [base_settings.model]
+    if base_settings.dataset not in SHAPES:
+        parser.error(f"no shapes for dataset {base_settings.dataset!r}")
     num_clients = args.num_clients or preset_clients(args.preset) or 10
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()] or [settings.batch_size]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()] or [base_settings.batch_size]
     device = torch.device(args.device) if args.device else get_device()
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    clients = stand_in_clients(settings, num_clients, device)
-    results = [measure(settings, clients, b, args.rounds, device) for b in batch_sizes]
-    channels, size, _, _ = SHAPES[settings.dataset]
+    clients = stand_in_clients(base_settings, num_clients, device)
+    results = []
+    for model in models:
+        for batch_size in batch_sizes:
+            for label, overrides in variants.items():  # side by side: each model's variants one after the other
+                settings = ExperimentSettings.from_run_config(
+                    defaults | parse_overrides(base) | {"model": model} | parse_overrides(overrides))
+                print(f"{model}, {label}:", flush=True)
+                results.append({"model": model, "variant": label, "overrides": overrides, "amp": settings.amp,
+                                "autocast": resolve_amp(settings.amp, device),
+                                "channels_last": settings.channels_last,
+                                **measure(settings, clients, batch_size, args.rounds, device)})
+    channels, size, _, _ = SHAPES[base_settings.dataset]
     summary = {
         "command": shlex.join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": str(datetime.date.today()),
@@ -179,22 +194,27 @@ def main(argv: list[str] | None = None) -> int:
         f"cpu ({torch.get_num_threads()} threads)",
         "num_clients": num_clients,
         "rounds": args.rounds,
-        "data": {"dataset": settings.dataset, "shape": [channels, size, size], "clients": [
+        "data": {"dataset": base_settings.dataset, "shape": [channels, size, size], "clients": [
             {"num_train": len(c[1]), "num_test": len(c[3])} for c in clients]},
-        "run_config": settings.as_dict(),
+        "run_config": base_settings.as_dict(),
         "results": results,
     }
     lines = [
         f"- command: `{summary['command']}`", f"- date: {summary['date']}", f"- machine: {summary['machine']}",
-        f"- device: {summary['device']}; {settings.dataset} {channels}x{size}x{size}, model {settings.model}, "
-        f"{num_clients} clients, amp {settings.amp}, channels-last {str(settings.channels_last).lower()}, "
-        f"mean of {args.rounds} rounds after a warm-up", "",
-        "| batch size | train samples/s | eval samples/s | seconds per round | train / eval samples per round |",
-        "|---|---|---|---|---|",
+        f"- device: {summary['device']}; {base_settings.dataset} {channels}x{size}x{size}, {num_clients} clients, "
+        f"mean of {args.rounds} rounds after a warm-up; speed-up: training samples/s over the first variant's",
+        "",
+        "| model | variant | autocast | channels-last | batch size | train samples/s | eval samples/s | "
+        "seconds per round | speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['batch_size']} | {r['train_samples_per_second']:,.0f} | {r['eval_samples_per_second']:,.0f} | "
-              f"{r['mean_seconds_per_round']:.2f} | {r['train_samples_per_round']} / {r['eval_samples_per_round']} |"
-              for r in results]
+    first = {}
+    for r in results:
+        reference = first.setdefault((r["model"], r["batch_size"]), r["train_samples_per_second"])
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['autocast']} | {str(r['channels_last']).lower()} | "
+            f"{r['batch_size']} | {r['train_samples_per_second']:,.0f} | {r['eval_samples_per_second']:,.0f} | "
+            f"{r['mean_seconds_per_round']:.2f} | {r['train_samples_per_second'] / reference:.2f}x |")
     (out / "throughput.json").write_text(json.dumps(summary, indent=2))
     (out / "throughput.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines) + f"\n\nwritten: {out / 'throughput.json'}, {out / 'throughput.md'}")

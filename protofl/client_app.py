@@ -12,8 +12,9 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
   per message; see :func:`protofl.task.data.cached_on_disk`);
 - ``model``: this node's architecture (e.g. ``tv-resnet18``), instead of the run config's
   ``model`` or its family member; for methods that exchange no model parameters (FedSA, FedProto);
-- ``num-threads``: CPU threads for this node's torch work (default: torch's, one per core; set it
-  when several SuperNodes share a machine, as they do in the compose demo);
+- ``num-threads``: CPU threads for this node's torch work, intra-op and inter-op (default: in a Ray
+  simulation the actor's ``client-resources-num-cpus``, else torch's, one per core; set it when
+  several SuperNodes share a machine, as they do in the compose demo);
 - ``state-dir``: where this node keeps its partition's state across rounds (personal models),
   instead of the run config's ``state-dir``; when neither is set, ``<run directory>/client-state``
   in simulation and ``$FLWR_HOME/protofl-state`` (else ``~/.flwr/protofl-state``) of the process
@@ -23,18 +24,22 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from logging import INFO
 from typing import Any, Callable, Mapping
 
 import torch
 from flwr.client import Client, ClientApp
 from flwr.common import Context
+from flwr.common.logger import log
 
 from protofl.federation.checkpoint import ClientStateStore
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
-from protofl.task.train import get_device
+from protofl.task.resources import ray_cpus
+from protofl.task.train import compute_description, get_device
 
 
 def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], Client]:
@@ -45,12 +50,10 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         # the run config's data-dir is the server's path: this node reads the data set (its
         # partition and the global test set) from its own
         settings = dataclasses.replace(settings, data_dir=str(context.node_config.get("data-dir", settings.data_dir)))
-        if "num-threads" in context.node_config:
-            threads = int(context.node_config["num-threads"])
-            if threads < 1:
-                raise ValueError(f"num-threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
-        data = node_data(settings, context.node_config, str(get_device()))
+        use_threads(context.node_config)
+        device = get_device()
+        announce(settings, device)
+        data = node_data(settings, context.node_config, str(device))
         model = build_method_model(settings, data, str(context.node_config.get("model", "")) or None)
         _, client_class = get_method(settings.method)
         num_partitions = int(context.node_config["num-partitions"])
@@ -59,6 +62,33 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         return client_class(settings, data, model, num_partitions, store).to_client()
 
     return client_fn
+
+
+def use_threads(node_config: Mapping[str, Any]) -> None:
+    """Torch's intra-op and inter-op threads: the node config's ``num-threads``, else in a Ray
+    simulation the CPUs of the actor (``client-resources-num-cpus``), else torch's default."""
+    if "num-threads" in node_config:
+        threads = int(node_config["num-threads"])
+        if threads < 1:
+            raise ValueError(f"num-threads must be >= 1, got {threads}")
+    elif (threads := ray_cpus()) is None:
+        return
+    torch.set_num_threads(threads)
+    if torch.get_num_interop_threads() != threads:
+        with contextlib.suppress(RuntimeError):  # settable once, before the first inter-op work
+            torch.set_num_interop_threads(threads)
+
+
+_announced: set[tuple] = set()
+
+
+def announce(settings: ExperimentSettings, device: torch.device) -> None:
+    """Log once per process how this ClientApp computes: device, threads, precision, memory format."""
+    precision = compute_description(settings.amp, settings.channels_last, device)
+    key = tuple(sorted(precision.items()))
+    if key not in _announced:
+        _announced.add(key)
+        log(INFO, "protofl ClientApp: %s", ", ".join(f"{k} {v}" for k, v in precision.items()))
 
 
 def node_data(settings: ExperimentSettings, node_config: Mapping[str, Any], device: str) -> ClientData:

@@ -19,7 +19,7 @@ from protofl.report import RunRecorder, summary_text
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import load_dataset, load_global_test, partition_sizes
-from protofl.task.train import get_device
+from protofl.task.train import compute_description, get_device
 
 
 class RunSummary(History):
@@ -109,6 +109,9 @@ def make_server_fn(
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict())
+        recorder.extra["compute"] = compute_description(settings.amp, settings.channels_last, get_device())
+        log(INFO, "protofl: the server computes with %s (as do the clients on such a machine)",
+            ", ".join(f"{k} {v}" for k, v in recorder.extra["compute"].items()))
         strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes,
                                   client_state_dir="" if deployment else str(directory / CLIENT_STATE))
         if checkpoint is not None:

@@ -188,8 +188,8 @@ class ExperimentSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0
-    amp: Amp = "off"
-    channels_last: bool = False
+    amp: Amp = "auto"
+    channels_last: bool = True
     model: str = "cnn"
     seed: int = 0
     partition_seed: int = 0
@@ -282,9 +282,14 @@ class ExperimentSettings:
             "weight_decay": self.weight_decay,
             "max_grad_norm": self.max_grad_norm,
             "seed": seed,
-            "amp": self.amp,
-            "channels_last": self.channels_last,
+            **self.precision,
         }
+
+    @property
+    def precision(self) -> dict[str, Any]:
+        """``amp`` and ``channels_last``, as every forward pass of the run takes them (training, the
+        prototype and scoring passes, BatchNorm recomputation, the server's global model)."""
+        return {"amp": self.amp, "channels_last": self.channels_last}
 
     def partition_spec(self, num_partitions: int) -> PartitionSpec:
         return PartitionSpec(

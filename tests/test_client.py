@@ -20,7 +20,7 @@ from protofl.strategies.fedavg import FedAvgClient
 from protofl.strategies.fedproto import FedProtoClient
 from protofl.task.data import ClientData, load_client_data
 from protofl.task.models import build_model
-from protofl.task.train import class_means, features_and_logits
+from protofl.task.train import class_means
 from protofl.task.weights import get_weights
 
 CONFIG = ExperimentSettings(method="fedproto", local_epochs=1, options={"lambda": 1.0})
@@ -44,7 +44,7 @@ def test_fedproto_uploads_class_means_of_its_trained_model_and_keeps_it():
     prototypes = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
     counts = decode_array(metrics[CLASS_COUNTS], ArraySpec((10,), ("int64",)), 1 << 24)
     np.testing.assert_array_equal(counts, client.data.class_counts())
-    features, _ = features_and_logits(client.model, client.data.train_x)
+    features, _ = client.forward(client.data.train_x)
     expected, _ = class_means(features, client.data.train_y, 10)
     np.testing.assert_allclose(prototypes, expected, atol=1e-5)
     assert any(name.startswith("model/") for name in client.local_state)
@@ -66,7 +66,7 @@ def test_fedproto_prototype_loss_pulls_features_toward_global_prototypes():
     def feature_norm(lam):
         client = make_client(FedProtoClient, RecordDict(), ExperimentSettings(local_epochs=3, options={"lambda": lam}))
         client.fit([], config)
-        features, _ = features_and_logits(client.model, client.data.train_x)
+        features, _ = client.forward(client.data.train_x)
         return features.norm(dim=1).mean().item()
 
     assert feature_norm(10.0) < 0.5 * feature_norm(0.0)
@@ -81,7 +81,7 @@ def test_fedproto_evaluate_reports_prototype_and_head_predictions():
     _, n, result = client.evaluate([], config)
     assert n == client.data.num_test
     assert result["correct"] == result["correct-prototype"]
-    features, logits = features_and_logits(client.model, client.data.test_x)
+    features, logits = client.forward(client.data.test_x)
     distances = torch.cdist(features, torch.from_numpy(prototypes))
     distances[:, ~torch.from_numpy(mask)] = float("inf")
     assert result["correct-prototype"] == int((distances.argmin(1) == client.data.test_y).sum())
@@ -113,6 +113,39 @@ def test_node_config_num_threads_sets_torch_threads():
         assert torch.get_num_threads() == 1
         with pytest.raises(ValueError, match="num-threads"):
             make_client_fn({"dataset": "digits"})(context(0))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_in_a_ray_actor_the_client_takes_the_actors_cpus_as_threads_and_says_so_once(monkeypatch, caplog):
+    import logging
+    import sys
+    import types
+
+    from flwr.common import Context
+
+    from protofl import client_app
+
+    assigned = {"CPU": 1.0}
+    context_of_ray = types.SimpleNamespace(get_assigned_resources=lambda: assigned)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True,
+                                                                  get_runtime_context=lambda: context_of_ray))
+    monkeypatch.setattr(client_app, "_announced", set())
+    node_config = {"partition-id": 0, "num-partitions": 3}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with caplog.at_level(logging.INFO, logger="flwr"):
+            for _ in range(2):
+                client_app.make_client_fn({"dataset": "digits"})(
+                    Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={}))
+        assert torch.get_num_threads() == 1  # client-resources-num-cpus=1, whatever torch's default
+        announced = [r.getMessage() for r in caplog.records if "protofl ClientApp" in r.getMessage()]
+        assert len(announced) == 1 and "threads 1" in announced[0] and "autocast" in announced[0]
+        assigned["CPU"] = 2.0
+        client_app.make_client_fn({"dataset": "digits"})(
+            Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={}))
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
@@ -152,7 +185,7 @@ def test_feature_sums_and_training_mode_prototypes():
     client = make_client(FedProtoClient, RecordDict(), config)
     _, _, metrics = client.fit([], {"server-round": 1, "seed": 3})
     prototypes = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
-    expected, _ = class_means(features_and_logits(client.model, client.data.train_x)[0], client.data.train_y, 10)
+    expected, _ = class_means(client.forward(client.data.train_x)[0], client.data.train_y, 10)
     np.testing.assert_allclose(prototypes, expected, rtol=1e-5, atol=1e-6)
     empty = FeatureSums(10, 512, torch.device("cpu"))
     np.testing.assert_allclose(client.local_prototypes(empty), expected, rtol=1e-5, atol=1e-6)
@@ -160,7 +193,7 @@ def test_feature_sums_and_training_mode_prototypes():
         method="fedproto", local_epochs=1, options={"prototype-pass": "during-train"}))
     _, _, metrics = moved.fit([], {"server-round": 1, "seed": 3})
     during = decode_array(metrics[CLASS_MEANS], ArraySpec((10, 512)), 1 << 24)
-    after, _ = class_means(features_and_logits(moved.model, moved.data.train_x)[0], moved.data.train_y, 10)
+    after, _ = class_means(moved.forward(moved.data.train_x)[0], moved.data.train_y, 10)
     assert not np.allclose(during, after, atol=1e-3)  # features from before each step differ
 
 

@@ -29,7 +29,7 @@ from protofl.strategies.fedcosr import (
     sample_infonce_losses,
 )
 from protofl.task.data import load_client_data, load_dataset
-from protofl.task.train import class_means, features_and_logits, train
+from protofl.task.train import class_means, train
 from protofl.task.weights import get_weights
 
 
@@ -105,7 +105,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     assert not any(v.shape == tuple(head0.shape) for v in sent)
     assert metrics["la-tau"] == 0.0 and "contrastive-loss" not in metrics  # round 1: CE only
     counts = np.load(io.BytesIO(metrics[CLASS_COUNTS]))
-    features, _ = features_and_logits(client.model, client.data.train_x)
+    features, _ = client.forward(client.data.train_x)
     expected, _ = class_means(features, client.data.train_y, 10)
     np.testing.assert_allclose(np.load(io.BytesIO(metrics[CLASS_MEANS])), expected, atol=1e-6)
     np.testing.assert_array_equal(counts, client.data.class_counts())
@@ -118,7 +118,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     prototypes = expected + 0.1
     again = make_client(state)
     again.restore_personal_model()
-    feats, _ = features_and_logits(again.model, again.data.train_x)
+    feats, _ = again.forward(again.data.train_x)
     everything = torch.ones(10, dtype=bool)
     fresh_loss = sample_infonce_losses(feats, again.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
     fresh_loss = fresh_loss.mean().item()
@@ -226,13 +226,13 @@ def test_fresh_eval_tau_and_evaluation_after_aggregation():
     state = RecordDict()
     client = make_client(state)
     client.fit(body_arrays(client), {"server-round": 1, "seed": 1})
-    prototypes = class_means(features_and_logits(client.model, client.data.train_x)[0], client.data.train_y, 10)[0]
+    prototypes = class_means(client.forward(client.data.train_x)[0], client.data.train_y, 10)[0]
     _, _, metrics = make_client(state).fit(body_arrays(client), prototype_config(2, prototypes))
     stored = metrics["contrastive-loss"]
 
     fresh = make_client(state, **{"tau-loss": "fresh-eval"})
     fresh.restore_personal_model()
-    features, _ = features_and_logits(fresh.model, fresh.data.train_x)
+    features, _ = fresh.forward(fresh.data.train_x)
     everything = torch.ones(10, dtype=bool)
     expected = sample_infonce_losses(features, fresh.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
     expected = expected.mean().item()

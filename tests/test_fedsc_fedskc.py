@@ -37,7 +37,7 @@ from protofl.strategies.fedskc import (
 )
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.prototypes import multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
-from protofl.task.train import class_means, features_and_logits, steps_per_epoch
+from protofl.task.train import class_means, steps_per_epoch
 from protofl.task.weights import get_weights
 
 SIGMOID_HALF = 1 / (1 + math.exp(-0.5))  # sigma(0.5) = 0.6225; sigma(-0.5) = 1 - that
@@ -259,7 +259,7 @@ def test_fedsc_client_trains_with_ce_only_in_round_one_then_adds_rpcl_and_cpdr()
     _, n, first = client.fit(weights, {"server-round": 1, "seed": 1})
     assert n == client.data.num_train and "rpcl-loss" not in first and "cpdr-loss" not in first
     prototypes = np.load(io.BytesIO(first[CLASS_MEANS]))
-    features, _ = features_and_logits(client.model, client.data.train_x)  # post-eval: the trained model's
+    features, _ = client.forward(client.data.train_x)  # post-eval: the trained model's
     np.testing.assert_allclose(prototypes, class_means(features, client.data.train_y, 10)[0], rtol=1e-5, atol=1e-6)
     held = client.data.class_counts() > 0
     config = {
@@ -288,7 +288,7 @@ def test_fedskc_client_uploads_silu_mean_logits_and_adds_lcl_with_knowledge():
     weights = [w.copy() for w in get_weights(client.model)]
     _, _, first = client.fit(weights, {"server-round": 1, "seed": 1})
     assert "lcl-loss" not in first
-    _, logits = features_and_logits(client.model, client.data.train_x)
+    _, logits = client.forward(client.data.train_x)
     means = class_means(logits, client.data.train_y, 10)[0]
     knowledge = np.load(io.BytesIO(first[CLASS_MEANS]))
     np.testing.assert_allclose(knowledge, means / (1 + np.exp(-means)), rtol=1e-5, atol=1e-6)  # c * sigmoid(c)

@@ -5,7 +5,7 @@ import torch
 
 from protofl.settings import ExperimentSettings
 from protofl.task.models import SplitModel, build_model
-from protofl.task.train import features_and_logits, train
+from protofl.task.train import features_and_logits, native_bf16, recompute_batchnorm_stats, resolve_amp, train
 
 CHANNELS, CLASSES, SIZE = 3, 4, 16
 
@@ -114,6 +114,95 @@ def test_a_bad_amp_is_an_error_and_the_run_config_reads_both_keys():
         fit(build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0), amp="fp16")
     settings = ExperimentSettings.from_run_config({"amp": "bf16", "channels-last": True})
     assert (settings.amp, settings.channels_last) == ("bf16", True)
-    assert (ExperimentSettings().amp, ExperimentSettings().channels_last) == ("off", False)
+    assert (ExperimentSettings().amp, ExperimentSettings().channels_last) == ("auto", True)
     with pytest.raises(ValueError, match="amp must be one of"):
         ExperimentSettings.from_run_config({"amp": "fp16"})
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, expected",
+                         [(False, False, "off"), (True, False, "bf16"), (False, True, "bf16")])
+def test_auto_is_bf16_only_on_a_cpu_with_native_bf16_and_then_trains_as_that(monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cpu = torch.device("cpu")
+    assert native_bf16(cpu) == (expected == "bf16") and resolve_amp("auto", cpu) == expected
+    assert resolve_amp("off", cpu) == "off" and resolve_amp("bf16", cpu) == "bf16"  # explicit: as written
+    model, losses = trained("auto", epochs=2)
+    reference, expected_losses = trained(expected, epochs=2)
+    assert losses == expected_losses and torch.equal(flat(model), flat(reference))
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 5), "off"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_auto_on_cuda_is_bf16_from_compute_capability_8(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_amp("auto", torch.device("cuda")) == expected
+
+
+def test_batchnorm_statistics_are_recomputed_in_the_eval_pass_precision_and_format():
+    model = build_model("resnet8-x4", CHANNELS, CLASSES, SIZE, seed=0)
+    x, _ = toy_set()
+
+    def statistics(**precision):
+        recompute_batchnorm_stats(model, x, **precision)
+        return [b.clone() for name, b in model.named_buffers() if name.endswith(("running_mean", "running_var"))]
+
+    fp32 = statistics()
+    seen = []
+    convolution = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    hook = convolution.register_forward_hook(lambda _, args, out: seen.append((
+        args[0].is_contiguous(memory_format=torch.channels_last), out.dtype)))
+    bf16 = statistics(amp="bf16", channels_last=True)
+    hook.remove()
+    assert seen and all(s == (True, torch.bfloat16) for s in seen)  # the pass ran channels-last, in bf16
+    assert any(not torch.equal(a, b) for a, b in zip(fp32, bf16))
+    for a, b in zip(fp32, bf16):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+def test_a_run_records_how_it_computes_and_the_server_scores_the_global_model_with_the_runs_precision(
+        tmp_path, monkeypatch):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from inprocess import run_in_process
+
+    from protofl.federation import evaluation
+
+    scored = []
+    original = evaluation.features_and_logits
+    monkeypatch.setattr(evaluation, "features_and_logits", lambda *a, **k: scored.append(k) or original(*a, **k))
+    for amp in ("auto", "off"):
+        run_in_process({"dataset": "digits", "num-server-rounds": 1, "local-epochs": 1, "amp": amp,
+                        "output-dir": str(tmp_path), "run-name": amp}, num_nodes=2)
+        compute = json.loads((tmp_path / amp / "results.json").read_text())["compute"]
+        assert compute["amp"] == amp and compute["autocast"] == resolve_amp(amp, torch.device("cpu"))
+        assert compute["channels_last"] is True and compute["device"] == "cpu" and compute["threads"] >= 1
+        assert scored[-1] == {"amp": amp, "channels_last": True}
+
+
+def test_bf16_training_on_concurrent_threads_gives_what_it_gives_alone():
+    """Clients on one process's threads (Flower's thread pool) train under bf16 autocast at once:
+    torch's autocast cache of cast weights is process-wide, so it must be off for them to stay apart."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x, y = toy_set()
+
+    def run(seed: int) -> tuple[list[float], torch.Tensor]:
+        model = build_model("cnn", CHANNELS, CLASSES, SIZE, seed=seed)
+        anchors = torch.randn(CLASSES, 512, generator=torch.Generator().manual_seed(seed))
+
+        def head_twice(features, logits, labels):  # the head again in the same autocast region (FedSA's L_CC)
+            return torch.nn.functional.cross_entropy(model.head(anchors), torch.arange(CLASSES))
+
+        losses = [train(model, x, y, epochs=1, batch_size=8, lr=0.05, seed=e, amp="bf16", extra_loss=head_twice)
+                  for e in range(3)]
+        return losses, flat(model)
+
+    alone = [run(seed) for seed in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            together = list(pool.map(run, range(4)))
+            for (losses, weights), (expected_losses, expected) in zip(together, alone):
+                assert losses == expected_losses and torch.equal(weights, expected)

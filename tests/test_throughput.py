@@ -9,6 +9,7 @@ import torch
 
 from protofl.settings import ExperimentSettings
 from protofl.task.data import SHAPES, load_dataset
+from protofl.task.train import resolve_amp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -36,14 +37,19 @@ def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hol
     threads = torch.get_num_threads()
     try:
         code = throughput.main(["--run-config", "dataset='digits' model='cnn'", "--num-clients", "2", "--rounds", "1",
-                                "--batch-sizes", "10,32", "--device", "cpu", "--threads", "1", "--out", str(tmp_path)])
+                                "--batch-sizes", "10,32", "--device", "cpu", "--threads", "1", "--out", str(tmp_path),
+                                "--variant", "fp32=amp='off' channels-last=false", "--variant", "defaults="])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
     summary = json.loads((tmp_path / "throughput.json").read_text())
     clients = summary["data"]["clients"]
     assert len(clients) == 2 and sum(c["num_train"] + c["num_test"] for c in clients) == DIGITS_TRAIN
-    assert [r["batch_size"] for r in summary["results"]] == [10, 32]
+    # each batch size's variants side by side, in the order given
+    assert [(r["batch_size"], r["variant"]) for r in summary["results"]] == [
+        (10, "fp32"), (10, "defaults"), (32, "fp32"), (32, "defaults")]
+    assert {(r["variant"], r["amp"], r["autocast"], r["channels_last"]) for r in summary["results"]} == {
+        ("fp32", "off", "off", False), ("defaults", "auto", resolve_amp("auto", torch.device("cpu")), True)}
     for result in summary["results"]:
         assert result["train_samples_per_round"] == sum(c["num_train"] for c in clients)
         assert result["eval_samples_per_round"] == sum(c["num_test"] for c in clients)
@@ -52,4 +58,5 @@ def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hol
         assert len(result["seconds_per_round"]) == 1
     assert summary["device"] == "cpu (1 threads)" and summary["date"] and summary["machine"]
     assert "benchmarks/throughput.py" in summary["command"]
-    assert "| 10 |" in (tmp_path / "throughput.md").read_text()
+    table = (tmp_path / "throughput.md").read_text()
+    assert "| cnn | fp32 | off | false | 10 |" in table and table.count("| 1.00x |") >= 2  # each reference

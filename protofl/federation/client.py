@@ -151,12 +151,11 @@ class PrototypeClient(NumPyClient):
         self.state.use(config, server_round(config))  # as it was before this round
         self.receive(parameters, config)
         seen = self.prototype_collector()
-        loss = train(
-            self.model, self.data.train_x, self.data.train_y,
-            extra_loss=self._extra_loss(seen), **self.train_kwargs(config),
-        )
-        if self.recompute_batchnorm():
-            recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed))
+        loss = train(self.model, self.data.train_x, self.data.train_y, extra_loss=self._extra_loss(seen),
+                     **self.train_kwargs(config))
+        if self.recompute_batchnorm():  # in the eval pass's precision and memory format
+            recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed),
+                                      **self.settings.precision)
         metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)} | evaluated
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
         if statistics is not None and self.settings.dp_noise > 0:
@@ -250,7 +249,7 @@ class PrototypeClient(NumPyClient):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, logits) of ``x`` in eval mode, with the run's ``amp`` and ``channels-last``."""
-        return features_and_logits(self.model, x, amp=self.settings.amp, channels_last=self.settings.channels_last)
+        return features_and_logits(self.model, x, **self.settings.precision)
 
     def recompute_batchnorm(self) -> bool:
         """Whether the BatchNorm statistics are recomputed after local training (``batchnorm-stats``)."""

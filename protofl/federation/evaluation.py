@@ -30,17 +30,19 @@ from protofl.federation.wire import (
 from protofl.report import RunRecorder, personalized_stats, progress_line
 from protofl.settings import is_int, is_number
 from protofl.task.models import SplitModel
-from protofl.task.train import features_and_logits, head_loss_and_correct
+from protofl.task.train import Amp, features_and_logits, head_loss_and_correct
 from protofl.task.weights import set_weights
 
 
 def global_model_scores(
-    model: SplitModel, weights: list[np.ndarray], test: tuple[torch.Tensor, torch.Tensor]
+    model: SplitModel, weights: list[np.ndarray], test: tuple[torch.Tensor, torch.Tensor], *, amp: Amp = "off",
+    channels_last: bool = False,
 ) -> tuple[float, float]:
-    """GM: (loss, accuracy) of ``model`` with ``weights`` on the global test set."""
+    """GM: (loss, accuracy) of ``model`` with ``weights`` on the global test set (``amp`` and
+    ``channels_last``: the run's, as the clients score)."""
     set_weights(model, weights)
     x, y = test
-    _, logits = features_and_logits(model.to(x.device), x)
+    _, logits = features_and_logits(model.to(x.device), x, amp=amp, channels_last=channels_last)
     loss, correct = head_loss_and_correct(logits, y)
     return loss, correct / len(y)
 

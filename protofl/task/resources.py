@@ -1,4 +1,5 @@
-"""The GPU share that packs N ClientApps onto each GPU in Flower's Ray simulation (no Flower, no Ray).
+"""The resources of a ClientApp in Flower's Ray simulation (no Flower; Ray only when it runs us): the
+GPU share that packs N ClientApps onto each GPU, and the CPUs an actor was given.
 
     flwr run . --federation-config "num-supernodes=100 client-resources-num-cpus=1 \
         client-resources-num-gpus=$(python -m protofl.task.resources 10)"
@@ -52,6 +53,16 @@ def gpu_share(actors_per_gpu: int) -> float:
         if counts == {actors_per_gpu}:
             return share
     raise ValueError(f"no share of 4 decimals gives {actors_per_gpu} actors per GPU")
+
+
+def ray_cpus() -> int | None:
+    """The CPUs Ray gave this process's actor (Flower's ``client-resources-num-cpus``), or None
+    outside a Ray worker. Ray imported by someone else only: this never starts or imports Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    return max(1, int(cpus)) if cpus else None
 
 
 def main(argv: list[str]) -> int:

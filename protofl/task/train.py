@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 import numpy as np
 import torch
@@ -26,9 +26,10 @@ BatchNormStats = Literal["auto", "recompute", "running"]
 # the batch left over when the batch size does not divide the training split: dropped each epoch
 # (PFLlib's and HtFLlib's drop_last), or trained on (a one-sample batch is always skipped)
 PartialBatch = Literal["drop", "keep"]
-# mixed precision of the forward pass and loss: none (float32), or bfloat16 autocast (no loss
-# scaling needed: bfloat16 has float32's exponent range)
-Amp = Literal["off", "bf16"]
+# mixed precision of the forward pass and loss: none (float32), bfloat16 autocast (no loss scaling
+# needed: bfloat16 has float32's exponent range), or bfloat16 where the device runs it natively
+# and float32 elsewhere ("auto": see native_bf16)
+Amp = Literal["auto", "off", "bf16"]
 AMPS = get_args(Amp)
 
 
@@ -135,13 +136,48 @@ class SGD:
             torch._foreach_add_(params, grads, alpha=-self.lr)
 
 
-def _autocast(amp: Amp, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast context ``amp`` names (none for ``"off"``)."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively, as torch reports it: a CUDA GPU of compute
+    capability 8.0 or more (Ampere on), or a CPU whose instruction set oneDNN runs bf16 kernels with
+    (AVX-512 BF16 or AMX). Elsewhere bf16 is emulated (on an AVX-512 CPU without BF16, or AVX2) and
+    slower than float32. Other devices (Apple MPS, Arm CPUs): no."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        return torch.backends.mkldnn.is_available() and bool(
+            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
+
+
+def resolve_amp(amp: Amp, device: torch.device) -> Literal["off", "bf16"]:
+    """What ``amp`` means on ``device``: ``"auto"`` is ``"bf16"`` where :func:`native_bf16`, else ``"off"``."""
     if amp not in AMPS:
         raise ValueError(f"amp must be one of {AMPS}, got {amp!r}")
-    if amp == "off":
+    if amp == "auto":
+        return "bf16" if native_bf16(device) else "off"
+    return amp
+
+
+def compute_description(amp: Amp, channels_last: bool, device: torch.device) -> dict[str, Any]:
+    """How a run with ``amp`` and ``channels_last`` computes on ``device`` (logged, and recorded in
+    results.json): the device, torch's threads on a CPU, the autocast dtype and the memory format."""
+    described: dict[str, Any] = {"device": device.type}
+    if device.type == "cpu":
+        described |= {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+                      "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    else:
+        described["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return described | {"amp": amp, "autocast": resolve_amp(amp, device), "native_bf16": native_bf16(device),
+                        "channels_last": channels_last}
+
+
+def _autocast(amp: Amp, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context ``amp`` names on ``device`` (none for float32)."""
+    if resolve_amp(amp, device) == "off":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    # no cache of cast weights: torch keeps one per process, and clients training on a process's
+    # threads at once (Flower's thread pool) read each other's entries
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def _to_channels_last(model: nn.Module, x: torch.Tensor, channels_last: bool) -> bool:
@@ -177,10 +213,12 @@ def stale_batchnorm(model: nn.Module, steps: int, tolerance: float = 0.01) -> bo
 
 
 @torch.no_grad()
-def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, chunk_size: int = 1024) -> None:
+def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, chunk_size: int = 1024, *,
+                              amp: Amp = "off", channels_last: bool = False) -> None:
     """Replace the running mean and variance of every BatchNorm layer by those of ``x`` under the
     model's current weights: one no-grad pass with only the BatchNorm layers in training mode,
-    over a seeded shuffle of ``x`` in chunks of near-equal size (each chunk counts equally).
+    over a seeded shuffle of ``x`` in chunks of near-equal size (each chunk counts equally), in the
+    precision and memory format of the eval pass (``amp``, ``channels_last`` as in :func:`train`).
 
     The running averages of training lag the weights: after a few steps they are still mostly the
     initial ones, and an eval-mode pass through a deep network can be off by orders of magnitude.
@@ -188,6 +226,8 @@ def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, 
     norms = _batchnorms(model)
     if not norms or len(x) < 2:
         return
+    autocast = _autocast(amp, x.device)
+    channels_last = _to_channels_last(model, x, channels_last)
     was_training = model.training
     kept = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
     model.eval()
@@ -197,7 +237,8 @@ def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, 
         m.train()
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).to(x.device)
     for chunk in order.tensor_split(math.ceil(len(x) / chunk_size)):
-        model(x[chunk])
+        with autocast:
+            model(x[chunk].contiguous(memory_format=torch.channels_last) if channels_last else x[chunk])
     for m, (momentum, tracked) in zip(norms, kept):
         m.momentum = momentum
         m.num_batches_tracked.copy_(tracked)
