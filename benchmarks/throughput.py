@@ -15,10 +15,16 @@ Each round, for every client in turn (all of them, whatever ``fraction-fit``): l
 weights, train one local epoch with `protofl.task.train.train` (the run config's lr, momentum,
 weight decay, clipping, partial batch, augmentation, amp and channels-last; no method's extra loss,
 no BatchNorm recomputation: FedAvg's local work), then `features_and_logits` over the client's test
-data. One warm-up round, then ``--rounds`` timed rounds, per batch size. Training samples/s = the
-clients' training samples (one epoch's worth per round; a dropped partial batch still counts) / the
-seconds spent in ``train``; evaluation samples/s likewise. Writes ``throughput.json`` and
-``throughput.md`` under ``--out``.
+data. One warm-up round, then ``--rounds`` timed rounds, per model and batch size; the
+``--variant``s (run-config overrides, e.g. precision and memory format) take turns within each
+round, so that they are measured side by side. Training samples/s = the clients' training samples
+(one epoch's worth per round; a dropped partial batch still counts) / the seconds spent in
+``train``; evaluation samples/s likewise. Writes ``throughput.json`` and ``throughput.md`` under
+``--out``.
+
+``--processes N`` runs N such measurements at once, each in a process of its own with
+``--threads`` torch threads, as N simulation actors share a machine; the table then gives their
+summed samples/s (e.g. 2 processes x 1 thread against 2 x 2 on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import datetime
 import json
 import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,53 +88,57 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(settings: ExperimentSettings, clients: list[tuple], batch_size: int, rounds: int,
-            device: torch.device) -> dict:
-    """One warm-up round and ``rounds`` timed rounds of every client's local epoch and evaluation."""
-    channels, size, _, _ = SHAPES[settings.dataset]
-    num_classes = DATASETS[settings.dataset][0]
-    architectures = [client_architecture(settings.model, p) for p in range(len(clients))]
-    models = {a: build_model(a, channels, num_classes, size, settings.seed).to(device) for a in set(architectures)}
-    global_weights = {a: get_weights(model) for a, model in models.items()}
-    fill = torch.from_numpy(black_level(settings.dataset, settings.normalisation)).expand(channels)
-    augment = make_augment(settings.augment, fill)
-    train_seconds, eval_seconds, round_seconds = [], [], []
+def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch_size: int, rounds: int,
+            device: torch.device) -> dict[str, dict]:
+    """One warm-up round and ``rounds`` timed rounds of every client's local epoch and evaluation,
+    for each variant (label -> settings of one model): within each round the variants take turns,
+    so that what else runs on the machine slows them alike."""
+    some = next(iter(variants.values()))
+    channels, size, _, _ = SHAPES[some.dataset]
+    num_classes = DATASETS[some.dataset][0]
+    architectures = [client_architecture(some.model, p) for p in range(len(clients))]
+    fill = torch.from_numpy(black_level(some.dataset, some.normalisation)).expand(channels)
+    augment = make_augment(some.augment, fill)
+    models = {label: {a: build_model(a, channels, num_classes, size, some.seed).to(device) for a in set(architectures)}
+              for label in variants}
+    global_weights = {a: get_weights(model) for a, model in next(iter(models.values())).items()}
+    timings = {label: {"train": [], "eval": [], "round": []} for label in variants}
     for server_round in range(rounds + 1):  # round 0: warm-up
-        train_time = eval_time = 0.0
-        started = time.perf_counter()
-        for p, (train_x, train_y, test_x, _) in enumerate(clients):
-            model = models[architectures[p]]
-            set_weights(model, global_weights[architectures[p]])
-            sync(device)
-            t0 = time.perf_counter()
-            train(model, train_x, train_y, epochs=1, batch_size=batch_size, lr=settings.lr, seed=client_seed(
-                settings.seed, server_round, p), momentum=settings.momentum, weight_decay=settings.weight_decay,
-                max_grad_norm=settings.max_grad_norm, partial_batch=settings.partial_batch, augment=augment,
-                amp=settings.amp, channels_last=settings.channels_last)
-            sync(device)
-            t1 = time.perf_counter()
-            features_and_logits(model, test_x, amp=settings.amp, channels_last=settings.channels_last)
-            sync(device)
-            train_time, eval_time = train_time + t1 - t0, eval_time + time.perf_counter() - t1
-        if server_round > 0:
-            train_seconds.append(train_time)
-            eval_seconds.append(eval_time)
-            round_seconds.append(time.perf_counter() - started)
-        print(f"batch {batch_size} round {server_round}{' (warm-up)' if server_round == 0 else ''}: "
-              f"train {train_time:.2f} s, eval {eval_time:.2f} s", flush=True)
+        for label, settings in variants.items():
+            train_time = eval_time = 0.0
+            started = time.perf_counter()
+            for p, (train_x, train_y, test_x, _) in enumerate(clients):
+                model = models[label][architectures[p]]
+                set_weights(model, global_weights[architectures[p]])
+                sync(device)
+                t0 = time.perf_counter()
+                train(model, train_x, train_y, augment=augment, **settings.train_arguments(
+                    1, client_seed(settings.seed, server_round, p)) | {"epochs": 1, "batch_size": batch_size})
+                sync(device)
+                t1 = time.perf_counter()
+                features_and_logits(model, test_x, **settings.precision)
+                sync(device)
+                train_time, eval_time = train_time + t1 - t0, eval_time + time.perf_counter() - t1
+            if server_round > 0:
+                timings[label]["train"].append(train_time)
+                timings[label]["eval"].append(eval_time)
+                timings[label]["round"].append(time.perf_counter() - started)
+            print(f"{some.model} {label} batch {batch_size} round {server_round}"
+                  f"{' (warm-up)' if server_round == 0 else ''}: train {train_time:.2f} s, eval {eval_time:.2f} s",
+                  flush=True)
     train_samples = sum(len(c[1]) for c in clients)
     eval_samples = sum(len(c[3]) for c in clients)
-    return {
+    return {label: {
         "batch_size": batch_size,
         "train_samples_per_round": train_samples,
         "eval_samples_per_round": eval_samples,
-        "train_seconds": train_seconds,
-        "eval_seconds": eval_seconds,
-        "seconds_per_round": round_seconds,
-        "train_samples_per_second": train_samples * rounds / sum(train_seconds),
-        "eval_samples_per_second": eval_samples * rounds / sum(eval_seconds),
-        "mean_seconds_per_round": float(np.mean(round_seconds)),
-    }
+        "train_seconds": t["train"],
+        "eval_seconds": t["eval"],
+        "seconds_per_round": t["round"],
+        "train_samples_per_second": train_samples * rounds / sum(t["train"]),
+        "eval_samples_per_second": eval_samples * rounds / sum(t["eval"]),
+        "mean_seconds_per_round": float(np.mean(t["round"])),
+    } for label, t in timings.items()}
 
 
 def preset_clients(preset: Path | None) -> int | None:
@@ -153,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"size, e.g. \"fp32-nchw={OLD_DEFAULTS}\" \"defaults=\" (default: the run config)")
     parser.add_argument("--device", help="default: cuda when there is a GPU, else cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (a Ray ClientApp gets its num-cpus)")
+    parser.add_argument("--processes", type=int, default=1, help="measurements at once, one process each")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -172,44 +184,78 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.processes > 1:
+        return report(at_once(argv if argv is not None else sys.argv[1:], args.processes, out) | {"command": command},
+                      out)
 
     clients = stand_in_clients(base_settings, num_clients, device)
     results = []
     for model in models:
         for batch_size in batch_sizes:
-            for label, overrides in variants.items():  # side by side: each model's variants one after the other
-                settings = ExperimentSettings.from_run_config(
-                    defaults | parse_overrides(base) | {"model": model} | parse_overrides(overrides))
-                print(f"{model}, {label}:", flush=True)
-                results.append({"model": model, "variant": label, "overrides": overrides, "amp": settings.amp,
-                                "autocast": resolve_amp(settings.amp, device),
-                                "channels_last": settings.channels_last,
-                                **measure(settings, clients, batch_size, args.rounds, device)})
+            settings = {label: ExperimentSettings.from_run_config(
+                defaults | parse_overrides(base) | {"model": model} | parse_overrides(overrides))
+                for label, overrides in variants.items()}
+            measured = measure(settings, clients, batch_size, args.rounds, device)
+            results += [{"model": model, "variant": label, "overrides": variants[label], "amp": s.amp,
+                         "autocast": resolve_amp(s.amp, device), "channels_last": s.channels_last, **measured[label]}
+                        for label, s in settings.items()]
     channels, size, _, _ = SHAPES[base_settings.dataset]
-    summary = {
-        "command": shlex.join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+    return report({
+        "command": command,
         "date": str(datetime.date.today()),
         "machine": machine_description(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
         f"cpu ({torch.get_num_threads()} threads)",
+        "processes": 1,
         "num_clients": num_clients,
         "rounds": args.rounds,
         "data": {"dataset": base_settings.dataset, "shape": [channels, size, size], "clients": [
             {"num_train": len(c[1]), "num_test": len(c[3])} for c in clients]},
         "run_config": base_settings.as_dict(),
         "results": results,
-    }
+    }, out)
+
+
+def at_once(argv: list[str], processes: int, out: Path) -> dict:
+    """This benchmark run ``processes`` times at once, one process each (``argv`` without
+    ``--processes``); the summary with each result's samples/s summed over the processes."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg == "--processes" or arg.startswith("--processes="):
+            skip = arg == "--processes"
+            continue
+        kept.append(arg)
+    children = [subprocess.Popen([sys.executable, __file__, *kept, "--out", str(out / f"process-{i}")])
+                for i in range(processes)]
+    if any(child.wait() != 0 for child in children):
+        raise SystemExit("a measuring process failed")
+    summaries = [json.loads((out / f"process-{i}" / "throughput.json").read_text()) for i in range(processes)]
+    summary = summaries[0] | {"processes": processes, "device": f"{processes} x {summaries[0]['device']}"}
+    summary["results"] = [same[0] | {
+        "train_samples_per_second": sum(r["train_samples_per_second"] for r in same),
+        "eval_samples_per_second": sum(r["eval_samples_per_second"] for r in same),
+        "mean_seconds_per_round": max(r["mean_seconds_per_round"] for r in same),
+    } for same in zip(*(s["results"] for s in summaries))]
+    return summary
+
+
+def report(summary: dict, out: Path) -> int:
+    """Writes throughput.json and throughput.md, and prints the table."""
+    channels, size, _ = summary["data"]["shape"]
     lines = [
         f"- command: `{summary['command']}`", f"- date: {summary['date']}", f"- machine: {summary['machine']}",
-        f"- device: {summary['device']}; {base_settings.dataset} {channels}x{size}x{size}, {num_clients} clients, "
-        f"mean of {args.rounds} rounds after a warm-up; speed-up: training samples/s over the first variant's",
+        f"- device: {summary['device']}; {summary['data']['dataset']} {channels}x{size}x{size}, "
+        f"{summary['num_clients']} clients, mean of {summary['rounds']} rounds after a warm-up"
+        + (f", {summary['processes']} processes at once (samples/s: their sum)" if summary["processes"] > 1 else "")
+        + "; speed-up: training samples/s over the first variant's",
         "",
         "| model | variant | autocast | channels-last | batch size | train samples/s | eval samples/s | "
         "seconds per round | speed-up |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     first = {}
-    for r in results:
+    for r in summary["results"]:
         reference = first.setdefault((r["model"], r["batch_size"]), r["train_samples_per_second"])
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['autocast']} | {str(r['channels_last']).lower()} | "

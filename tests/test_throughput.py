@@ -60,3 +60,16 @@ def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hol
     assert "benchmarks/throughput.py" in summary["command"]
     table = (tmp_path / "throughput.md").read_text()
     assert "| cnn | fp32 | off | false | 10 |" in table and table.count("| 1.00x |") >= 2  # each reference
+
+
+def test_processes_measure_at_once_and_the_table_sums_their_rates(tmp_path):
+    code = throughput.main(["--run-config", "dataset='digits'", "--num-clients", "2", "--rounds", "1", "--device", "cpu",
+                            "--threads", "1", "--processes", "2", "--out", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "throughput.json").read_text())
+    each = [json.loads((tmp_path / f"process-{i}" / "throughput.json").read_text())["results"][0] for i in range(2)]
+    assert summary["processes"] == 2 and summary["device"] == "2 x cpu (1 threads)"
+    (combined,) = summary["results"]
+    assert combined["train_samples_per_second"] == sum(r["train_samples_per_second"] for r in each)
+    assert combined["mean_seconds_per_round"] == max(r["mean_seconds_per_round"] for r in each)
+    assert "2 processes at once" in (tmp_path / "throughput.md").read_text()
