@@ -51,7 +51,7 @@ SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
 # within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner
 ROUND_TIMEOUT = 60.0
 # the demo's run config, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
-# (docker-compose.yml's header, README "Docker compose") passes it; every run below adds to it
+# (docker-compose.yml's header, docs/deployment/compose.md) passes it; every run below adds to it
 DEMO_RUN_CONFIG = f"round-timeout={ROUND_TIMEOUT}"
 RUNS = "/app/protofl-runs"  # the ServerApp's output-dir in superexec-serverapp (the results volume)
 # what may differ between an interrupted run and one that was not (as in tests/test_resume.py)

@@ -35,12 +35,12 @@ OPERATOR_RULES = {
     "mtls": (
         "a client certificate signed by the deployment's CA",
         "            if ($ssl_client_verify != SUCCESS) {\n                return 403;\n            }",
-        "the Control API needs the client certificate of the operator (README, The edge)",
+        "the Control API needs the client certificate of the operator (docs/deployment/edge.md)",
     ),
     "loopback": (
         "connections from the edge host's loopback (an SSH tunnel)",
         "            allow 127.0.0.1;\n            allow ::1;\n            deny all;",
-        "the Control API answers on the loopback of the SuperLink host only (README, The edge)",
+        "the Control API answers on the loopback of the SuperLink host only (docs/deployment/edge.md)",
     ),
 }
 

@@ -2,7 +2,7 @@
 summary lines of the log, comparison tables.
 
 No flwr imports: the server strategy feeds a :class:`RunRecorder`, the comparison runner reads the
-files back. The results.json schema is documented in README.md ("Results").
+files back. The results.json schema is documented in docs/user-guide/evaluation.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 BACKBONES = ("cnn", "fednh-cnn", "resnet18", "resnet18-gn", "resnet10", "resnet8-x4", "tv-resnet18")
 FAMILY_METHODS = ("fedsa", "fedproto")  # the methods that exchange no parameters
 MATRIX = [(m, b) for m in METHODS for b in BACKBONES] + [(m, f) for m in FAMILY_METHODS for f in MODEL_FAMILIES]
-# tv-resnet18's class means after an epoch are 2-53 (docs/results.md, "BatchNorm backbones"); the
+# tv-resnet18's class means after an epoch are 2-53 (docs/results/batchnorm.md); the
 # reproduction of issue 23 gave eval-mode means of 8.8e7 to 4.5e14
 BOUND = 1e3
 

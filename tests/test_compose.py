@@ -15,7 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# as the README combines them: docker-compose.override.yml ("local") publishes the SuperLink on loopback,
+# as docs/deployment/compose.md combines them: docker-compose.override.yml ("local") publishes the SuperLink on loopback,
 # and the auth variant leaves it out (its edge is the only published port)
 VARIANTS = [("local",), ("local", "tls"), ("tls", "auth"), ("local", "gpu"), ("tls", "auth", "gpu")]
 EDGE_DOCKERFILE = "deploy/edge.Dockerfile"

@@ -1,7 +1,7 @@
 #!/bin/sh
 # `pip install` inside an image build. Any CA certificate (*.crt) placed next to this script is
 # trusted on top of pip's own bundle: a TLS-intercepting proxy's CA, say. Such files are build
-# inputs on the building machine only; git ignores them (see README, "Docker compose").
+# inputs on the building machine only; git ignores them (see docs/deployment/compose.md).
 set -eu
 here=$(dirname "$0")
 if ls "$here"/*.crt >/dev/null 2>&1; then

@@ -41,7 +41,7 @@ from protofl.task.robust import lower_median, outliers
 
 DIVERGED_HINT = (
     "A non-finite train loss means local training diverged: lower lr, set max-grad-norm, "
-    "keep partial-batch='drop' with BatchNorm models (README: 'Training and BatchNorm')"
+    "keep partial-batch='drop' with BatchNorm models (docs/user-guide/training.md)"
 )
 
 

@@ -60,7 +60,7 @@ def train(
     The batch order comes from ``seed``. The trailing partial batch of an epoch is dropped, or
     with ``partial_batch="keep"`` trained on unless it holds one sample; a split smaller than one
     batch is always one batch. A BatchNorm layer trained on a batch of two or three takes a step
-    that can wreck the model (see docs/results.md). ``max_grad_norm > 0`` clips the total gradient norm.
+    that can wreck the model (see docs/results/batchnorm.md). ``max_grad_norm > 0`` clips the total gradient norm.
     Only parameters with ``requires_grad`` are optimised (buffers, e.g. a frozen head, never are).
     ``augment`` transforms each batch's images (its draws from the same seeded generator).
     ``amp="bf16"`` runs the forward pass and the loss under bfloat16 autocast (the weights, their
