@@ -16,8 +16,8 @@ weights, train one local epoch with `protofl.task.train.train` (the run config's
 weight decay, clipping, partial batch, augmentation, amp and channels-last; no method's extra loss,
 no BatchNorm recomputation: FedAvg's local work), then `features_and_logits` over the client's test
 data. One warm-up round, then ``--rounds`` timed rounds, per model and batch size; the
-``--variant``s (run-config overrides, e.g. precision and memory format) take turns within each
-round, so that they are measured side by side. Training samples/s = the clients' training samples
+``--variant``s (run-config overrides, e.g. precision and memory format) take turns on each
+client's work, so that they are measured side by side. Training samples/s = the clients' training samples
 (one epoch's worth per round; a dropped partial batch still counts) / the seconds spent in
 ``train``; evaluation samples/s likewise. Writes ``throughput.json`` and ``throughput.md`` under
 ``--out``.
@@ -91,8 +91,9 @@ def sync(device: torch.device) -> None:
 def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch_size: int, rounds: int,
             device: torch.device) -> dict[str, dict]:
     """One warm-up round and ``rounds`` timed rounds of every client's local epoch and evaluation,
-    for each variant (label -> settings of one model): within each round the variants take turns,
-    so that what else runs on the machine slows them alike."""
+    for each variant (label -> settings of one model): the variants take turns on each client's
+    work, so that what else runs on the machine slows them alike. A round's seconds: its training
+    and scoring."""
     some = next(iter(variants.values()))
     channels, size, _, _ = SHAPES[some.dataset]
     num_classes = DATASETS[some.dataset][0]
@@ -104,10 +105,9 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
     global_weights = {a: get_weights(model) for a, model in next(iter(models.values())).items()}
     timings = {label: {"train": [], "eval": [], "round": []} for label in variants}
     for server_round in range(rounds + 1):  # round 0: warm-up
-        for label, settings in variants.items():
-            train_time = eval_time = 0.0
-            started = time.perf_counter()
-            for p, (train_x, train_y, test_x, _) in enumerate(clients):
+        spent = {label: {"train": 0.0, "eval": 0.0} for label in variants}
+        for p, (train_x, train_y, test_x, _) in enumerate(clients):
+            for label, settings in variants.items():  # each client's work in every variant, in turn
                 model = models[label][architectures[p]]
                 set_weights(model, global_weights[architectures[p]])
                 sync(device)
@@ -118,13 +118,15 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
                 t1 = time.perf_counter()
                 features_and_logits(model, test_x, **settings.precision)
                 sync(device)
-                train_time, eval_time = train_time + t1 - t0, eval_time + time.perf_counter() - t1
+                spent[label]["train"] += t1 - t0
+                spent[label]["eval"] += time.perf_counter() - t1
+        for label, t in spent.items():
             if server_round > 0:
-                timings[label]["train"].append(train_time)
-                timings[label]["eval"].append(eval_time)
-                timings[label]["round"].append(time.perf_counter() - started)
+                timings[label]["train"].append(t["train"])
+                timings[label]["eval"].append(t["eval"])
+                timings[label]["round"].append(t["train"] + t["eval"])
             print(f"{some.model} {label} batch {batch_size} round {server_round}"
-                  f"{' (warm-up)' if server_round == 0 else ''}: train {train_time:.2f} s, eval {eval_time:.2f} s",
+                  f"{' (warm-up)' if server_round == 0 else ''}: train {t['train']:.2f} s, eval {t['eval']:.2f} s",
                   flush=True)
     train_samples = sum(len(c[1]) for c in clients)
     eval_samples = sum(len(c[3]) for c in clients)
