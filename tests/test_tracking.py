@@ -254,7 +254,8 @@ def wandb_history(run_file: Path) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pieces)
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key: json.loads(item.value_json) for item in record.history.item})
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
     return rows
 
 
@@ -265,6 +266,7 @@ def test_wandb_writes_an_offline_run_that_a_resumed_run_continues(tmp_path):
     pytest.importorskip("wandb", reason="W&B is not in the test extra: pip install -e '.[wandb]' to run this")
     config = RUN | {"output-dir": str(tmp_path), "run-name": "run", "tracker": "wandb", "num-server-rounds": 2}
     env = os.environ | {"PYTHONPATH": str(TESTS), "WANDB_MODE": "offline"}
+    env |= {name: str(tmp_path / "wandb-home" / name) for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
     for run_config in (config, config | {"num-server-rounds": 3, "resume": True}):
         subprocess.run([sys.executable, str(TESTS / "interrupted.py"), json.dumps(run_config), "3"],
                        env=env, check=True, capture_output=True, timeout=600)
