@@ -146,11 +146,13 @@ class RunRecorder:
         if self.tracking is not None:
             self.tracking.log(self.rounds, before=server_round)
 
-    def finish_tracking(self, failed: bool = False) -> None:
+    def finish_tracking(self, failed: bool = False, crashed: bool = False) -> None:
         """After the last :meth:`write`: send the trackers the last rounds and the run's files, and
-        close them; ``failed``: the run stopped early."""
+        close them; ``failed``: the run stopped early; ``crashed``: in the middle of its last round,
+        which is not sent (a resumed run sends it whole)."""
         if self.tracking is not None:
-            self.tracking.finish(self.rounds, [self.directory / name for name in RUN_FILES], failed)
+            self.tracking.finish(self.rounds, [self.directory / name for name in RUN_FILES], failed or crashed,
+                                 last_round_complete=not crashed)
 
     def results(self) -> dict[str, Any]:
         rounds = [self.rounds[r] for r in sorted(self.rounds)]

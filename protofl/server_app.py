@@ -52,7 +52,7 @@ class PrototypeServer(Server):
             log(ERROR, "protofl: the run stopped. %s", stop)
             recorder.extra["stopped"] = str(stop)
         except BaseException:
-            recorder.finish_tracking(failed=True)
+            recorder.finish_tracking(crashed=True)
             raise
         elapsed = time.perf_counter() - started
         recorder.extra["total_seconds"] = elapsed

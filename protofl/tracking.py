@@ -353,9 +353,11 @@ class Tracking:
                                tracker.name, type(err).__name__, err)
                 self.trackers.remove(tracker)
 
-    def finish(self, rounds: Mapping[int, Mapping[str, Any]], files: Sequence[Path], failed: bool) -> None:
-        """Send the last rounds and the files that exist, and close every tracker."""
-        self.log(rounds)
+    def finish(self, rounds: Mapping[int, Mapping[str, Any]], files: Sequence[Path], failed: bool,
+               last_round_complete: bool = True) -> None:
+        """Send the last rounds (not the last one, when a crash cut it short) and the files that
+        exist, and close every tracker."""
+        self.log(rounds, before=None if last_round_complete or not rounds else max(rounds))
         existing = [Path(path) for path in files if Path(path).is_file()]
         for tracker in self.trackers:
             try:

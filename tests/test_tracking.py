@@ -122,6 +122,16 @@ def test_each_round_goes_out_once_whole_and_in_order_and_a_failing_tracker_does_
     assert failing.files is None  # dropped: not asked to finish
 
 
+def test_a_crash_does_not_send_the_round_it_cut_short(tmp_path):
+    recording = Recording(tmp_path)
+    recorder = RunRecorder(tmp_path / "run", {}, Tracking([recording]))
+    recorder.start_tracking()
+    recorder.update(1, train_loss=1.0)
+    recorder.update(2, bytes_down=100)  # round 2 had sent its instructions when the process failed
+    recorder.finish_tracking(crashed=True)
+    assert [r for r, _ in recording.sent] == [1] and recording.failed is True
+
+
 def test_a_resumed_run_continues_its_trackers_after_the_checkpoints_round(tmp_path):
     """The rounds before the checkpoint's were sent before it was written; from its round on they go
     out again (the tracker drops or skips what it holds). A tracker new to the run gets them all."""
