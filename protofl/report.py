@@ -1,8 +1,9 @@
 """Run results: per-round records, summaries, results.json / metrics.csv / PNG, the progress and
 summary lines of the log, comparison tables.
 
-No flwr imports: the server strategy feeds a :class:`RunRecorder`, the comparison runner reads the
-files back. The results.json schema is documented in docs/user-guide/evaluation.md.
+No flwr imports: the server strategy feeds a :class:`RunRecorder` (which feeds the run's trackers,
+:mod:`protofl.tracking`), the comparison runner reads the files back. The results.json schema is
+documented in docs/user-guide/evaluation.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from protofl.task.storage import atomic_write
+from protofl.tracking import Tracking
 
 SCHEMA_VERSION = 1
 # Keys every round record carries (None where a quantity was not measured that round).
@@ -99,15 +101,20 @@ def summarize(rounds: Iterable[dict[str, Any]], key: str) -> dict[str, Any] | No
     }
 
 
-class RunRecorder:
-    """Collects per-round fields and writes the run's files to ``directory``."""
+RUN_FILES = ("results.json", "metrics.csv", "accuracy.png")
 
-    def __init__(self, directory: Path, run_config: dict[str, Any]) -> None:
+
+class RunRecorder:
+    """Collects per-round fields and writes the run's files to ``directory``; sends the rounds,
+    the run config and the files to the run's trackers (``tracking``), when it has any."""
+
+    def __init__(self, directory: Path, run_config: dict[str, Any], tracking: Tracking | None = None) -> None:
         self.directory = Path(directory)
         self.run_config = run_config
         self.rounds: dict[int, dict[str, Any]] = {}
         self.extra: dict[str, Any] = {}
         self.started = datetime.datetime.now().isoformat(timespec="seconds")
+        self.tracking = tracking
 
     def update(self, server_round: int, **fields: Any) -> dict[str, Any]:
         record = self.rounds.setdefault(
@@ -124,6 +131,28 @@ class RunRecorder:
         derived = {"schema_version", "run_config", "started", "summary", "rounds", "stopped", "total_seconds"}
         self.extra = {k: v for k, v in results.items() if k not in derived}
         self.extra["resumed_after"] = [*self.extra.get("resumed_after", []), resumed_after]
+
+    def start_tracking(self) -> None:
+        """Open the trackers, once the run's records are restored when it resumes: a resumed run
+        continues its tracked runs (their identities are results.json's ``tracking``)."""
+        if self.tracking is not None:
+            resumed = self.extra.get("resumed_after") or [None]
+            self.extra["tracking"] = self.tracking.start(
+                self.directory.name, self.run_config, self.extra.get("tracking") or {}, resumed[-1])
+
+    def track(self, server_round: int) -> None:
+        """After ``server_round``: send the trackers the rounds before it, which are complete (a
+        round's clients score its model in the next round's fit message at the latest)."""
+        if self.tracking is not None:
+            self.tracking.log(self.rounds, before=server_round)
+
+    def finish_tracking(self, failed: bool = False, crashed: bool = False) -> None:
+        """After the last :meth:`write`: send the trackers the last rounds and the run's files, and
+        close them; ``failed``: the run stopped early; ``crashed``: in the middle of its last round,
+        which is not sent (a resumed run sends it whole)."""
+        if self.tracking is not None:
+            self.tracking.finish(self.rounds, [self.directory / name for name in RUN_FILES], failed or crashed,
+                                 last_round_complete=not crashed)
 
     def results(self) -> dict[str, Any]:
         rounds = [self.rounds[r] for r in sorted(self.rounds)]

@@ -20,6 +20,7 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import load_dataset, load_global_test, partition_sizes
 from protofl.task.train import compute_description, get_device
+from protofl.tracking import Tracking
 
 
 class RunSummary(History):
@@ -33,9 +34,9 @@ class RunSummary(History):
 
 class PrototypeServer(Server):
     """Flower's Server loop, from the round after ``checkpoint`` when the run resumes, with a
-    checkpoint after each complete round; then the strategy's final files and summary once all
-    rounds are done, or once a round stops the run (:class:`RunStopped`: one error line, no
-    traceback)."""
+    checkpoint after each complete round (and the rounds before it sent to the trackers); then the
+    strategy's final files and summary once all rounds are done, or once a round stops the run
+    (:class:`RunStopped`: one error line, no traceback)."""
 
     def __init__(self, *, client_manager, strategy, checkpoint: Checkpoint | None = None) -> None:
         super().__init__(client_manager=client_manager, strategy=strategy)
@@ -50,11 +51,15 @@ class PrototypeServer(Server):
         except RunStopped as stop:
             log(ERROR, "protofl: the run stopped. %s", stop)
             recorder.extra["stopped"] = str(stop)
+        except BaseException:
+            recorder.finish_tracking(crashed=True)
+            raise
         elapsed = time.perf_counter() - started
         recorder.extra["total_seconds"] = elapsed
         summary = RunSummary()
         summary.__dict__.update(history.__dict__)
         summary.summary = summary_text(recorder.write(plot=True), recorder.directory)
+        recorder.finish_tracking(failed="stopped" in recorder.extra)
         return summary, elapsed
 
     def _rounds(self, num_rounds: int, timeout: float | None, history: History) -> None:
@@ -80,6 +85,7 @@ class PrototypeServer(Server):
             if federated is not None and federated[0] is not None:
                 history.add_loss_distributed(server_round=server_round, loss=federated[0])
                 history.add_metrics_distributed(server_round=server_round, metrics=federated[1])
+            self.strategy.recorder.track(server_round)  # the rounds before it, which are complete
             self.strategy.save_checkpoint(server_round, self.parameters)
 
 
@@ -93,6 +99,7 @@ def make_server_fn(
     def server_fn(context: Context) -> ServerAppComponents:
         settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
         directory = settings.run_directory()
+        tracking = Tracking.from_settings(settings.tracker, directory, settings.mlflow_uri)  # a missing extra fails here
         strategy_class, _ = get_method(settings.method)
         checkpoint = open_run(settings, directory, strategy_class.options_class.run_config_defaults())
         dataset = load_dataset(settings.dataset, settings.data_dir, settings.normalisation)
@@ -108,7 +115,7 @@ def make_server_fn(
                 spec = settings.partition_spec(num_partitions)
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
-        recorder = RunRecorder(directory, settings.as_dict())
+        recorder = RunRecorder(directory, settings.as_dict(), tracking)
         recorder.extra["compute"] = compute_description(settings.amp, settings.channels_last, get_device())
         log(INFO, "protofl: the server computes with %s (as do the clients on such a machine)",
             ", ".join(f"{k} {v}" for k, v in recorder.extra["compute"].items()))
@@ -116,6 +123,7 @@ def make_server_fn(
                                   client_state_dir="" if deployment else str(directory / CLIENT_STATE))
         if checkpoint is not None:
             strategy.resume_from(checkpoint)
+        recorder.start_tracking()
         log(
             INFO, "protofl: %s on %s (%s partition), %d rounds; results go to %s",
             settings.method, settings.dataset, settings.partition, settings.num_server_rounds,

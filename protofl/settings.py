@@ -27,6 +27,7 @@ from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
 from protofl.task.train import Amp, BatchNormStats, PartialBatch
+from protofl.tracking import tracker_names
 
 EvaluateClients = Literal["sampled", "all"]
 # where clients score a round's model: in the next round's fit message, before training (one message
@@ -36,8 +37,9 @@ EvaluationMessage = Literal["fit", "evaluate"]
 Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval, accept clients
-# that lost their state.
-RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients"})
+# that lost their state, track it elsewhere (a tracker new to the run gets every round).
+RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients",
+                       "tracker", "mlflow_uri"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,6 +214,8 @@ class ExperimentSettings:
     overwrite: bool = False
     state_dir: str = ""
     resume_fresh_clients: bool = False
+    tracker: str = ""  # comma-separated: tensorboard, mlflow, wandb (protofl.tracking)
+    mlflow_uri: str = ""  # empty: a SQLite store in the run directory
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the method's table, raw
 
     @classmethod
@@ -263,6 +267,7 @@ class ExperimentSettings:
             raise ValueError(f"round-timeout must be >= 0 seconds (0: none), got {self.round_timeout}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint-every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
+        tracker_names(self.tracker)
         if self.resume and (self.overwrite or not self.run_name):
             raise ValueError("resume=true continues the run named by run-name: set run-name, and not overwrite")
 

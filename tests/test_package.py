@@ -1,0 +1,148 @@
+"""protofl as a package: its version, `protofl new`'s app directory, and (slow) a wheel and an sdist
+built from the checkout (`python -m build`), each installed into a fresh virtual environment, then
+`protofl --version`, `protofl new` and `flwr run` of the new app directory from the wheel's."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from native import free_port, kill_trees, pids_with_argument
+from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
+
+import protofl
+from protofl.cli import app_name, default_run_config, main, new_app
+from protofl.settings import ExperimentSettings, default_run_config as checkout_run_config, flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_version_is_one_and_protofl_version_prints_it(capsys):
+    assert PYPROJECT["project"]["version"] == protofl.__version__ == importlib.metadata.version("protofl")
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"protofl {protofl.__version__}\n"
+
+
+def test_protofl_new_writes_the_checkouts_app_with_every_default(tmp_path):
+    path = new_app(tmp_path / "My Experiments_2026")
+    app = tomllib.loads(path.read_text())
+    assert app["project"]["name"] == "my-experiments-2026" and app["project"]["dependencies"] == []
+    assert app["tool"]["flwr"]["app"]["components"] == PYPROJECT["tool"]["flwr"]["app"]["components"]
+    config = flatten(app["tool"]["flwr"]["app"]["config"])
+    assert config == checkout_run_config(ROOT / "pyproject.toml") == default_run_config()
+    assert list(config) == list(checkout_run_config(ROOT / "pyproject.toml"))  # the same order
+    ExperimentSettings.from_run_config(config)
+    with pytest.raises(FileExistsError, match="--force"):
+        new_app(tmp_path / "My Experiments_2026")
+    assert main(["new", str(tmp_path / "My Experiments_2026")]) == 1
+    assert main(["new", "--force", str(tmp_path / "My Experiments_2026")]) == 0
+
+
+def test_an_app_name_is_one_flower_accepts():
+    assert app_name(Path("/x/Runs 2026")) == "runs-2026"
+    assert app_name(Path("/x/2026")) == "protofl-app" and app_name(Path("/x/___")) == "protofl-app"
+    assert len(app_name(Path("/x/" + "a" * 50))) == 32
+
+
+# --- built, installed, run ------------------------------------------------------------------------
+
+
+def fresh_venv(directory: Path) -> Path:
+    """A new virtual environment whose python finds the pinned dependencies in this one's
+    site-packages (a path line: its .pth files, among them the editable protofl's, are not read),
+    with Flower's commands as its own scripts. Returns its bin directory."""
+    subprocess.run([sys.executable, "-m", "venv", str(directory)], check=True, timeout=120)
+    bin_dir = directory / "bin"
+    python = bin_dir / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "protofl-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    for entry in importlib.metadata.distribution("flwr").entry_points.select(group="console_scripts"):
+        script = bin_dir / entry.name
+        script.write_text(f"#!{python}\nimport sys\nfrom {entry.module} import {entry.attr}\nsys.exit({entry.attr}())\n")
+        script.chmod(0o755)
+    return bin_dir
+
+
+def install(bin_dir: Path, artifact: Path) -> None:
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--no-build-isolation", str(artifact)], check=True, capture_output=True, timeout=300)
+
+
+def run_in(bin_dir: Path, command: list[str], cwd: Path, env: dict | None = None, timeout: float = 120):
+    env = {**(env or os.environ), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path):
+    dist = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    version = protofl.__version__
+    wheel, sdist = dist / f"protofl-{version}-py3-none-any.whl", dist / f"protofl-{version}.tar.gz"
+
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "protofl/cli.py", "protofl/tracking.py"} <= names
+    assert not any(name.startswith((".venv/", ".flwr/", "runs/")) for name in names)
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        metadata = archive.read(f"protofl-{version}.dist-info/METADATA").decode()
+        entry_points = archive.read(f"protofl-{version}.dist-info/entry_points.txt").decode()
+    assert f"protofl-{version}.dist-info/licenses/LICENSE" in names and "protofl/server_app.py" in names
+    assert not any(name.startswith(("tests/", "benchmarks/")) for name in names)
+    assert "License-Expression: Apache-2.0" in metadata and "Classifier: Intended Audience :: Science/Research" in metadata
+    for extra in ("tensorboard", "mlflow", "wandb", "tracking"):
+        assert f"Provides-Extra: {extra}" in metadata
+    assert "protofl = protofl.cli:main" in entry_points
+
+    # the sdist installs (built from source) and answers
+    from_sdist = fresh_venv(tmp_path / "venv-sdist")
+    install(from_sdist, sdist)
+    answer = run_in(from_sdist, ["protofl", "--version"], tmp_path)
+    assert answer.stdout == f"protofl {version}\n", answer.stderr
+
+    # the wheel installs, writes an app directory, and flwr runs it
+    bin_dir = fresh_venv(tmp_path / "venv")
+    install(bin_dir, wheel)
+    code = "import json, protofl, sys; print(json.dumps([protofl.__file__, sys.path]))"
+    module, path = json.loads(run_in(bin_dir, ["python", "-c", code], tmp_path).stdout)
+    assert module.startswith(str(tmp_path / "venv")) and str(ROOT) not in path  # the wheel's, not the checkout's
+    assert run_in(bin_dir, ["protofl", "--version"], tmp_path).stdout == f"protofl {version}\n"
+    created = run_in(bin_dir, ["protofl", "new", "experiments"], tmp_path)
+    assert created.returncode == 0 and (tmp_path / "experiments" / "pyproject.toml").is_file(), created.stderr
+
+    home = tmp_path / "flwr-home"
+    env = os.environ | {
+        "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+    }
+    run_config = f"num-server-rounds=2 output-dir='{tmp_path / 'runs'}' run-name='installed' tracker='tensorboard,mlflow'"
+    try:
+        run = run_in(bin_dir, ["flwr", "run", "experiments", "--stream", "--run-config", run_config,
+                               "--federation-config", "num-supernodes=3 client-resources-num-cpus=1"],
+                     tmp_path, env, timeout=540)
+    finally:
+        kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
+    assert not pids_with_argument(str(home))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    directory = tmp_path / "runs" / "installed"
+    results = json.loads((directory / "results.json").read_text())
+    assert [r["round"] for r in results["rounds"]] == [1, 2] and results["rounds"][1]["global_accuracy"] > 0.5
+    assert results["run_config"]["method"] == "fedavg"  # the app's defaults
+    # the main job's rounds, read back through TensorBoard's reader and MLflow's client
+    want = expected_points(results)
+    assert_same_points(tensorboard_scalars(directory / "tensorboard"), want)
+    assert_same_points(mlflow_metrics(results), want)
