@@ -6,6 +6,7 @@ that a resumed run replays, and what travels in the clear."""
 import dataclasses
 import json
 import math
+import shutil
 
 import dp_accounting
 import numpy as np
@@ -112,7 +113,7 @@ def test_flowers_rdp_accountant_gives_the_same_epsilon():
     )
 
     for noise, held, rounds in ((4.0, 10, 5), (2.0, 7, 12)):
-        z = release_noise_multiplier(noise, held)
+        z = noise / (2 * math.sqrt(held))
         config = PrivacyConfig(DELTA, 1, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION)
         flower = RdpAccountant(config)
         flower.compose(GaussianPrivacyEvent(z, sample_size=1, population_size=1), count=rounds)
@@ -135,7 +136,9 @@ def test_the_ledger_composes_each_partitions_releases_and_the_run_pays_for_the_w
     epsilons = ledger.epsilons(2.0, DELTA)
     assert epsilons[1] > epsilons[0] > epsilons[2]
     # written as it changes, read back whole
-    assert ReleaseLedger.load(tmp_path / RELEASES_FILE).state() == [[1, 0, 4], [1, 1, 10], [2, 1, 10], [2, 2, 2], [3, 1, 10]]
+    written = [[1, 0, 4], [1, 1, 10], [2, 1, 10], [2, 2, 2], [3, 1, 10]]
+    assert ReleaseLedger.load(tmp_path / RELEASES_FILE).releases == written
+    assert ReleaseLedger.from_state(ledger.state(), 10).releases == written  # through a checkpoint's array
     # a replayed round: its second release is settled, the first stays
     ledger.record(3, {1: 10})
     ledger.settle(3, {1: 6})
@@ -227,7 +230,7 @@ class Crash(Exception):
     """The server process dies."""
 
 
-def test_releases_after_the_checkpoint_count_again_when_a_resumed_run_replays_them(tmp_path, monkeypatch):
+def test_releases_after_the_checkpoint_count_again_when_a_resumed_run_replays_them(tmp_path, monkeypatch, caplog):
     """The server dies in round 3 after its clients released (checkpoint-every=2: the checkpoint is
     round 2's); the resumed run replays round 3 with fresh noise. Both round-3 releases went out, so
     each client has 5 releases, not the uninterrupted run's 4."""
@@ -247,6 +250,15 @@ def test_releases_after_the_checkpoint_count_again_when_a_resumed_run_replays_th
     monkeypatch.undo()
     on_disk = json.loads((tmp_path / "killed" / RELEASES_FILE).read_text())["releases"]
     assert sorted({r for r, _, _ in on_disk}) == [1, 2, 3]  # round 3's releases were recorded before they went out
+    # a run left by a protofl without the file: only the checkpoint's releases are known; the run says so
+    shutil.copytree(tmp_path / "killed", tmp_path / "kept")
+    (tmp_path / "killed" / RELEASES_FILE).unlink()
+    run_in_process(config | {"resume": True}, num_nodes=4)
+    assert "no dp-releases.json" in caplog.text and "those after round 2" in caplog.text
+    results = json.loads((tmp_path / "killed" / "results.json").read_text())
+    assert results["privacy"]["releases"] == {str(p): 4 for p in range(4)}
+    shutil.rmtree(tmp_path / "killed")
+    (tmp_path / "kept").rename(tmp_path / "killed")
     run_in_process(config | {"resume": True}, num_nodes=4)
     results = json.loads((tmp_path / "killed" / "results.json").read_text())
     held = held_classes_of_partitions(4)

@@ -126,7 +126,7 @@ class ReleaseLedger:
         partition (``{"3": 2}``), taken as that many releases of ``num_classes`` rows (round 0)."""
         if isinstance(state, Mapping):
             return cls([(0, int(pid), num_classes) for pid, n in state.items() for _ in range(int(n))], path)
-        return cls(state or (), path)
+        return cls(np.asarray(state, dtype=np.int64).reshape(-1, 3).tolist(), path)
 
     @classmethod
     def load(cls, path: Path) -> "ReleaseLedger":
@@ -167,13 +167,13 @@ class ReleaseLedger:
         epsilons = self.epsilons(noise, delta)
         return max(epsilons.values()) if epsilons else None
 
-    def state(self) -> list[list[int]]:
-        """The releases as JSON-able [round, partition, k] rows, as :meth:`from_state` takes them back."""
-        return [list(entry) for entry in self.releases]
+    def state(self) -> np.ndarray:
+        """The releases as (round, partition, k) rows of int64, as :meth:`from_state` takes them back."""
+        return np.array(self.releases, dtype=np.int64).reshape(-1, 3)
 
     def save(self) -> None:
         if self.path is not None:
-            atomic_write(self.path, json.dumps({"releases": self.state()}).encode())
+            atomic_write(self.path, json.dumps({"releases": self.releases}).encode())
 
 
 class ClearTraffic:
