@@ -65,8 +65,8 @@ from protofl.federation.admission import (
 from protofl.federation.checkpoint import Checkpoint, RunCheckpoints
 from protofl.federation.evaluation import PersonalizedEvaluation, global_model_scores
 from protofl.federation.partitions import DISCOVERY_TIMEOUT, ExpectedSizes, PartitionDiscovery
+from protofl.federation.privacy_accounting import PrivacyAccounting
 from protofl.federation.wire import (
-    CLASS_MEANS,
     EVALUATE_ROUND,
     TRAIN_LOSS,
     PayloadError,
@@ -77,7 +77,6 @@ from protofl.federation.wire import (
 from protofl.report import RunRecorder, progress_line
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import MODEL_FAMILIES, SplitModel
-from protofl.task.privacy import RELEASES_FILE, ClearTraffic, ReleaseLedger, privacy_block, release_size
 from protofl.task.robust import robust_average_layers
 from protofl.task.sampling import client_seed, sample_partitions
 
@@ -145,27 +144,16 @@ class PrototypeStrategy(Strategy):
         names = list(model.state_dict())
         self.initial_weights = [v.detach().cpu().numpy() for v in model.state_dict().values()]
         self.shared_indices = [i for i, name in enumerate(names) if self.options.shares(name)]
-        self.shared_names = [names[i] for i in self.shared_indices]
         self.has_global_model = len(self.shared_indices) == len(names)
-        self.traffic = ClearTraffic()  # the keys of what clients sent: results.json's privacy block
         self.discovery = PartitionDiscovery(settings.num_partitions, partition_sizes,
-                                            settings.round_timeout or DISCOVERY_TIMEOUT,
-                                            observe=lambda properties: self.traffic.observe("properties", [properties]))
+                                            settings.round_timeout or DISCOVERY_TIMEOUT, lambda p: self.privacy.seen(p))
+        self.privacy = PrivacyAccounting(settings, self.options, names, num_classes, self.recorder, self.discovery)
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
         self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir)
-        self.releases = self._release_ledger()  # every DP release of the run, on disk as it goes out
         self.sampled: list[int] = []
         self.round_started = 0.0
-
-    def _release_ledger(self) -> ReleaseLedger:
-        """With ``dp-noise``: the run directory's ledger, continued when the run resumes (it holds the
-        releases after the last checkpoint too, which went out and count again when replayed)."""
-        if self.settings.dp_noise <= 0:
-            return ReleaseLedger()
-        path = self.recorder.directory / RELEASES_FILE
-        return ReleaseLedger.load(path) if self.settings.resume and path.is_file() else ReleaseLedger(path=path)
 
     # --- hooks for methods --------------------------------------------------------------
 
@@ -236,8 +224,7 @@ class PrototypeStrategy(Strategy):
         self.admission.asked = {nodes[p].cid: p for p in self.sampled}
         if parameters.tensors:
             self.admission.sent_parameters = parameters_to_ndarrays(parameters)
-        if s.dp_noise > 0:  # recorded before anything goes out; a reply that never arrives still counts
-            self.releases.record(server_round, {p: self.release_size(p) for p in self.sampled})
+        self.privacy.released(server_round, self.sampled)  # before anything goes out
         configs = self.round_configs(server_round, self.sampled)
         pending = self.evaluation.pending
         if pending is not None:  # score the previous round's model before training
@@ -254,7 +241,6 @@ class PrototypeStrategy(Strategy):
         results: list[tuple[ClientProxy, FitRes]],
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        self.traffic.observe("fit", [res.metrics for _, res in results if isinstance(res, FitRes)])
         failed = [describe_failure(failure) for failure in failures]
         for reason in failed:
             log(WARNING, "round %d: a client failed: %s", server_round, reason)
@@ -263,9 +249,7 @@ class PrototypeStrategy(Strategy):
             self.evaluation.pending = None
         self.checkpoints.trained(server_round, self.admission.partitions(results))
         updates, dropped = self.admission.replies(server_round, "fit", results, self.admission.fit_update)
-        if self.settings.dp_noise > 0:  # the k of the releases these replies show
-            self.releases.settle(server_round, {u.partition_id: self.release_size(u.partition_id, u) for u in updates})
-            self.recorder.extra["privacy"] = self.privacy()
+        self.privacy.replied(server_round, [res for _, res in results], updates)  # DP releases, what went in clear
         updates, screened, ratios = self.admission.screen(server_round, updates)
         dropped += screened
         required = min(self.settings.min_fit_clients, len(self.sampled))
@@ -275,12 +259,11 @@ class PrototypeStrategy(Strategy):
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
         new_parameters, kept_previous = self._aggregate(server_round, updates)
         elapsed = time.perf_counter() - self.round_started
-        epsilon = self.releases.epsilon(self.settings.dp_noise, self.settings.dp_delta)
         fields = fit_fields(updates, self.loss_metrics, results, failures, dropped)
         record = self.recorder.update(
             server_round, **fields,
             **({"kept_previous": kept_previous} if kept_previous else {}), fit_seconds=elapsed, seconds=elapsed,
-            **ratios, **({} if epsilon is None else {"dp_epsilon": epsilon}),
+            **ratios, **self.privacy.epsilon_field(),
         )
         self.recorder.write()
         if not self.settings.is_eval_round(server_round):
@@ -289,23 +272,6 @@ class PrototypeStrategy(Strategy):
         if kept_previous and self.shared_indices:
             return None, metrics  # Flower keeps the parameters
         return ndarrays_to_parameters(new_parameters if new_parameters is not None else []), metrics
-
-    def release_size(self, partition_id: int, update: ClientUpdate | None = None) -> int:
-        """k of a partition's DP release (:func:`~protofl.task.privacy.release_size`): the most of what the
-        server's copy of the partition, the reply's counts and its released rows show; the number of
-        classes without any of them."""
-        known = self.discovery.known_sizes(partition_id)
-        counts, means = [known[2] if known else None], []
-        if update is not None and update.statistics is not None:
-            counts.append(update.statistics.counts)
-            means.append(update.statistics.means)
-        return release_size(self.num_classes, counts, means)
-
-    def privacy(self) -> dict[str, Any]:
-        """results.json's ``privacy`` block (:func:`~protofl.task.privacy.privacy_block`)."""
-        s = self.settings
-        return privacy_block(self.releases, s.dp_noise, s.dp_clip, s.dp_delta, [CLASS_MEANS], self.traffic,
-                             self.shared_names)
 
     def _aggregate(self, server_round: int, updates: list[ClientUpdate]) -> tuple[list[np.ndarray] | None, str | None]:
         """The server rule on the accepted updates, its output checked: (new parameters, None), or
@@ -327,13 +293,12 @@ class PrototypeStrategy(Strategy):
 
     def server_state(self) -> dict[str, Any]:
         """What a resumed run needs besides the parameters and the results: the method's
-        ``state_fields``, the fixed number of partitions, the DP release counts, the round whose
-        scores the next fit message asks for, the last round each partition trained. (The DP releases are
-        also in their own file, which a resume reads: it holds those after the checkpoint too.)"""
+        ``state_fields``, the fixed number of partitions, the DP releases, the round whose
+        scores the next fit message asks for, the last round each partition trained."""
         return {
             "fields": {name: getattr(self, name) for name in self.state_fields},
             "num_partitions": self.discovery.registry.num_partitions or 0,
-            "releases": self.releases.state(),
+            "releases": self.privacy.state(),
             "pending_evaluation": self.evaluation.pending,
             "last_trained": self.checkpoints.state(),
         }
@@ -348,10 +313,7 @@ class PrototypeStrategy(Strategy):
         for name in self.state_fields:
             setattr(self, name, state["fields"][name])
         self.discovery.registry.fixed = int(state["num_partitions"]) or None
-        if self.settings.dp_noise > 0 and not (self.releases.path and self.releases.path.is_file()):
-            log(WARNING, "protofl: no %s in %s: the DP releases are the checkpoint's; those after round %d "
-                "(before the crash) are not counted", RELEASES_FILE, self.recorder.directory, checkpoint.server_round)
-            self.releases = ReleaseLedger.from_state(state["releases"], self.num_classes, self.releases.path)
+        self.privacy.restore(state["releases"], checkpoint.server_round)  # (a run directory without dp-releases.json)
         self.evaluation.pending = state.get("pending_evaluation")
         self.admission.sent_parameters = list(checkpoint.parameters)
         self.checkpoints.restore(checkpoint, state.get("last_trained"), self.options.keeps_client_state)
@@ -398,11 +360,9 @@ class PrototypeStrategy(Strategy):
         failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
     ) -> tuple[float | None, dict[str, Scalar]]:
         """PM: each client's own model on its local test split, aggregated across clients."""
-        self.traffic.observe("evaluate", [res.metrics for _, res in results if isinstance(res, EvaluateRes)])
+        self.privacy.observe("evaluate", [res for _, res in results])
         for failure in failures:
             log(WARNING, "round %d: a client failed to evaluate: %s", server_round, describe_failure(failure))
-        if self.settings.dp_noise > 0:
-            self.recorder.extra["privacy"] = self.privacy()
         return self.evaluation.record(server_round, results, started=self.round_started)
 
 
