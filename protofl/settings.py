@@ -131,6 +131,10 @@ class MethodOptions:
 
     @classmethod
     def from_settings(cls, settings: "ExperimentSettings") -> "MethodOptions":
+        if settings.dp_noise > 0 and cls.statistics is None:
+            raise ValueError(f"dp-noise adds noise to the class vectors a client uploads, but {settings.method} "
+                             "uploads none (its model parameters would travel without any noise): set dp-noise=0, "
+                             "or use a method that uploads class vectors")
         options = cls(**parse_fields(cls, settings.options, f"{settings.method}.", f"{settings.method} option"))
         options.check()
         return options

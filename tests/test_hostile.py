@@ -402,8 +402,9 @@ def test_dp_prototypes_report_the_privacy_spent_each_round(tmp_path):
     config = RUN | {"method": "fedproto", "dp-noise": 2.0, "dp-clip": 1.0, "output-dir": str(tmp_path),
                     "run-name": "dp"}
     strategy, messages = run_in_process(config, num_nodes=2)
-    rounds = json.loads((tmp_path / "dp" / "results.json").read_text())["rounds"]
-    assert [r["dp_epsilon"] for r in rounds] == [prototype_epsilon(2.0, r, 1e-5) for r in (1, 2)]
+    results = json.loads((tmp_path / "dp" / "results.json").read_text())
+    rounds, held = results["rounds"], max(results["privacy"]["held_classes"].values())  # test_privacy.py checks k
+    assert [r["dp_epsilon"] for r in rounds] == [prototype_epsilon(2.0, [held] * r, 1e-5) for r in (1, 2)]
     uploads = [reply for kind, _, reply in messages if kind == "fit"]
     norms = np.linalg.norm(np.stack([_means(reply) for reply in uploads]), axis=2)
     assert norms.max() > 1.0  # noise on top of the clipped vectors: not the raw means, not clipped only

@@ -4,8 +4,11 @@ for its partition across rounds. Both are written atomically and read back witho
 **Server.** ``<run directory>/checkpoint.npz`` after every ``checkpoint-every`` rounds: the round,
 the global parameters, the method's server state (its ``state_fields``, whatever their values:
 arrays, :class:`ClassVectors`, lists or dicts of them), the fixed number of partitions, the DP
-release counts, the run's results so far and the settings it ran with. One file, so that it is
-always a whole round's.
+releases, the run's results so far and the settings it ran with. One file, so that it is
+always a whole round's. With ``dp-noise``, ``<run directory>/dp-releases.json`` records each DP
+release as it goes out (:class:`~protofl.task.privacy.ReleaseLedger`): a resumed run reads it, not
+the checkpoint's copy, so that the releases between the checkpoint and a crash, which went out,
+count as well as their replay.
 
 **Clients.** :class:`ClientStateStore`: named arrays (a personal model, FedSA's margin, ...) per
 partition, a file per round that the partition trained in,
@@ -46,6 +49,7 @@ from flwr.common.logger import log
 
 from protofl.federation import wire
 from protofl.federation.wire import ClassVectors
+from protofl.task.privacy import RELEASES_FILE
 from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
 
 CHECKPOINT = "checkpoint.npz"
@@ -368,7 +372,8 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
     ``overwrite=true``. Raises ``ValueError`` naming what to change. ``option_defaults``: the
     method's options' defaults, which a key the checkpoint lacks counts as."""
     directory = Path(directory)
-    holds_a_run = (directory / "results.json").is_file() or (directory / CHECKPOINT).is_file()
+    has_results = (directory / "results.json").is_file()
+    holds_a_run = has_results or (directory / CHECKPOINT).is_file() or (directory / RELEASES_FILE).is_file()
     if not settings.resume:
         if holds_a_run and not settings.overwrite:
             raise ValueError(
@@ -376,11 +381,12 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
                 "or choose another run-name"
             )
         (directory / CHECKPOINT).unlink(missing_ok=True)
+        (directory / RELEASES_FILE).unlink(missing_ok=True)  # a replaced run's privacy is not this run's
         shutil.rmtree(directory / CLIENT_STATE, ignore_errors=True)  # a replaced run's
         return None
     checkpoint = Checkpoint.load(directory)
     if checkpoint is None:
-        if holds_a_run:
+        if has_results:
             raise ValueError(f"resume=true: {directory} has results but no {CHECKPOINT} (checkpoint-every=0?)")
         log(INFO, "protofl: no checkpoint in %s yet; the run starts at round 1", directory)
         return None

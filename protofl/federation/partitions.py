@@ -179,8 +179,9 @@ class PartitionDiscovery:
     poll = 1.0  # seconds between queries of newly listed nodes while partitions lack a holder
 
     def __init__(self, num_partitions: int = 0, expected: ExpectedSizes | None = None,
-                 timeout: float = DISCOVERY_TIMEOUT) -> None:
-        """``timeout``: seconds a node has to answer a query."""
+                 timeout: float = DISCOVERY_TIMEOUT, observe: Callable[[Any], None] | None = None) -> None:
+        """``timeout``: seconds a node has to answer a query; ``observe``: called with each reply's properties."""
+        self.observe = observe
         self.properties_timeout = timeout
         self.start_timeout = DISCOVERY_TIMEOUT  # how long the first discovery waits for every partition's node
         self.registry = PartitionRegistry(num_partitions, expected)
@@ -223,6 +224,8 @@ class PartitionDiscovery:
             replies = list(pool.map(lambda p: _answer(p.get_properties, ins, self.properties_timeout, 0), nodes))
         for proxy, (reply, seconds) in zip(nodes, replies):
             failed = isinstance(reply, BaseException)
+            if not failed and self.observe is not None:
+                self.observe(getattr(reply, "properties", None))
             self.registry.record(proxy.cid, reply if failed else reply.properties,
                                  timed_out=failed and seconds >= 0.9 * self.properties_timeout)
 

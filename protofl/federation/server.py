@@ -65,6 +65,7 @@ from protofl.federation.admission import (
 from protofl.federation.checkpoint import Checkpoint, RunCheckpoints
 from protofl.federation.evaluation import PersonalizedEvaluation, global_model_scores
 from protofl.federation.partitions import DISCOVERY_TIMEOUT, ExpectedSizes, PartitionDiscovery
+from protofl.federation.privacy_accounting import PrivacyAccounting
 from protofl.federation.wire import (
     EVALUATE_ROUND,
     TRAIN_LOSS,
@@ -76,7 +77,6 @@ from protofl.federation.wire import (
 from protofl.report import RunRecorder, progress_line
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import MODEL_FAMILIES, SplitModel
-from protofl.task.privacy import ReleaseLedger
 from protofl.task.robust import robust_average_layers
 from protofl.task.sampling import client_seed, sample_partitions
 
@@ -146,12 +146,12 @@ class PrototypeStrategy(Strategy):
         self.shared_indices = [i for i, name in enumerate(names) if self.options.shares(name)]
         self.has_global_model = len(self.shared_indices) == len(names)
         self.discovery = PartitionDiscovery(settings.num_partitions, partition_sizes,
-                                            settings.round_timeout or DISCOVERY_TIMEOUT)
+                                            settings.round_timeout or DISCOVERY_TIMEOUT, lambda p: self.privacy.seen(p))
+        self.privacy = PrivacyAccounting(settings, self.options, names, num_classes, self.recorder, self.discovery)
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
         self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir)
-        self.releases = ReleaseLedger()  # rounds each partition released DP prototypes
         self.sampled: list[int] = []
         self.round_started = 0.0
 
@@ -224,8 +224,7 @@ class PrototypeStrategy(Strategy):
         self.admission.asked = {nodes[p].cid: p for p in self.sampled}
         if parameters.tensors:
             self.admission.sent_parameters = parameters_to_ndarrays(parameters)
-        if s.dp_noise > 0 and self.options.statistics is not None:
-            self.releases.record(self.sampled)
+        self.privacy.released(server_round, self.sampled)  # before anything goes out
         configs = self.round_configs(server_round, self.sampled)
         pending = self.evaluation.pending
         if pending is not None:  # score the previous round's model before training
@@ -250,6 +249,7 @@ class PrototypeStrategy(Strategy):
             self.evaluation.pending = None
         self.checkpoints.trained(server_round, self.admission.partitions(results))
         updates, dropped = self.admission.replies(server_round, "fit", results, self.admission.fit_update)
+        self.privacy.replied(server_round, [res for _, res in results], updates)  # DP releases, what went in clear
         updates, screened, ratios = self.admission.screen(server_round, updates)
         dropped += screened
         required = min(self.settings.min_fit_clients, len(self.sampled))
@@ -259,12 +259,11 @@ class PrototypeStrategy(Strategy):
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
         new_parameters, kept_previous = self._aggregate(server_round, updates)
         elapsed = time.perf_counter() - self.round_started
-        epsilon = self.releases.epsilon(self.settings.dp_noise, self.settings.dp_delta)
         fields = fit_fields(updates, self.loss_metrics, results, failures, dropped)
         record = self.recorder.update(
             server_round, **fields,
             **({"kept_previous": kept_previous} if kept_previous else {}), fit_seconds=elapsed, seconds=elapsed,
-            **ratios, **({} if epsilon is None else {"dp_epsilon": epsilon}),
+            **ratios, **self.privacy.epsilon_field(),
         )
         self.recorder.write()
         if not self.settings.is_eval_round(server_round):
@@ -294,12 +293,12 @@ class PrototypeStrategy(Strategy):
 
     def server_state(self) -> dict[str, Any]:
         """What a resumed run needs besides the parameters and the results: the method's
-        ``state_fields``, the fixed number of partitions, the DP release counts, the round whose
+        ``state_fields``, the fixed number of partitions, the DP releases, the round whose
         scores the next fit message asks for, the last round each partition trained."""
         return {
             "fields": {name: getattr(self, name) for name in self.state_fields},
             "num_partitions": self.discovery.registry.num_partitions or 0,
-            "releases": self.releases.state(),
+            "releases": self.privacy.state(),
             "pending_evaluation": self.evaluation.pending,
             "last_trained": self.checkpoints.state(),
         }
@@ -314,7 +313,7 @@ class PrototypeStrategy(Strategy):
         for name in self.state_fields:
             setattr(self, name, state["fields"][name])
         self.discovery.registry.fixed = int(state["num_partitions"]) or None
-        self.releases = ReleaseLedger(state["releases"])
+        self.privacy.restore(state["releases"], checkpoint.server_round)  # (a run directory without dp-releases.json)
         self.evaluation.pending = state.get("pending_evaluation")
         self.admission.sent_parameters = list(checkpoint.parameters)
         self.checkpoints.restore(checkpoint, state.get("last_trained"), self.options.keeps_client_state)
@@ -361,6 +360,7 @@ class PrototypeStrategy(Strategy):
         failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
     ) -> tuple[float | None, dict[str, Scalar]]:
         """PM: each client's own model on its local test split, aggregated across clients."""
+        self.privacy.observe("evaluate", [res for _, res in results])
         for failure in failures:
             log(WARNING, "round %d: a client failed to evaluate: %s", server_round, describe_failure(failure))
         return self.evaluation.record(server_round, results, started=self.round_started)
