@@ -53,7 +53,7 @@ from protofl.task.data import DATASETS, SHAPES, black_level  # noqa: E402
 from protofl.task.models import build_model, client_architecture  # noqa: E402
 from protofl.task.partition import client_split, partition_indices  # noqa: E402
 from protofl.task.sampling import client_seed  # noqa: E402
-from protofl.task.train import features_and_logits, get_device, resolve_amp, train  # noqa: E402
+from protofl.task.train import features_and_logits, get_device, resolve_amp, train, uses_channels_last  # noqa: E402
 from protofl.task.weights import get_weights, set_weights  # noqa: E402
 
 
@@ -131,6 +131,8 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
     train_samples = sum(len(c[1]) for c in clients)
     eval_samples = sum(len(c[3]) for c in clients)
     return {label: {
+        "memory_format": "channels-last" if uses_channels_last(models[label][architectures[0]],
+                                                               variants[label].channels_last) else "NCHW",
         "batch_size": batch_size,
         "train_samples_per_round": train_samples,
         "eval_samples_per_round": eval_samples,
@@ -252,7 +254,7 @@ def report(summary: dict, out: Path) -> int:
         + (f", {summary['processes']} processes at once (samples/s: their sum)" if summary["processes"] > 1 else "")
         + "; speed-up: training samples/s over the first variant's",
         "",
-        "| model | variant | autocast | channels-last | batch size | train samples/s | eval samples/s | "
+        "| model | variant | autocast | memory format | batch size | train samples/s | eval samples/s | "
         "seconds per round | speed-up |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -260,7 +262,7 @@ def report(summary: dict, out: Path) -> int:
     for r in summary["results"]:
         reference = first.setdefault((r["model"], r["batch_size"]), r["train_samples_per_second"])
         lines.append(
-            f"| {r['model']} | {r['variant']} | {r['autocast']} | {str(r['channels_last']).lower()} | "
+            f"| {r['model']} | {r['variant']} | {r['autocast']} | {r['memory_format']} | "
             f"{r['batch_size']} | {r['train_samples_per_second']:,.0f} | {r['eval_samples_per_second']:,.0f} | "
             f"{r['mean_seconds_per_round']:.2f} | {r['train_samples_per_second'] / reference:.2f}x |")
     (out / "throughput.json").write_text(json.dumps(summary, indent=2))

@@ -52,9 +52,9 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         settings = dataclasses.replace(settings, data_dir=str(context.node_config.get("data-dir", settings.data_dir)))
         use_threads(context.node_config)
         device = get_device()
-        announce(settings, device)
         data = node_data(settings, context.node_config, str(device))
         model = build_method_model(settings, data, str(context.node_config.get("model", "")) or None)
+        announce(settings, device, model)
         _, client_class = get_method(settings.method)
         num_partitions = int(context.node_config["num-partitions"])
         state_dir = str(context.node_config.get("state-dir", settings.state_dir))
@@ -82,9 +82,9 @@ def use_threads(node_config: Mapping[str, Any]) -> None:
 _announced: set[tuple] = set()
 
 
-def announce(settings: ExperimentSettings, device: torch.device) -> None:
+def announce(settings: ExperimentSettings, device: torch.device, model: torch.nn.Module) -> None:
     """Log once per process how this ClientApp computes: device, threads, precision, memory format."""
-    precision = compute_description(settings.amp, settings.channels_last, device)
+    precision = compute_description(settings.amp, settings.channels_last, device, model)
     key = tuple(sorted(precision.items()))
     if key not in _announced:
         _announced.add(key)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
-from protofl.task.train import Amp, BatchNormStats, PartialBatch
+from protofl.task.train import Amp, BatchNormStats, ChannelsLast, PartialBatch
 from protofl.tracking import tracker_names
 
 EvaluateClients = Literal["sampled", "all"]
@@ -195,7 +195,7 @@ class ExperimentSettings:
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0
     amp: Amp = "auto"
-    channels_last: bool = True
+    channels_last: ChannelsLast = "auto"
     model: str = "cnn"
     seed: int = 0
     partition_seed: int = 0

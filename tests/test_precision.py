@@ -81,6 +81,22 @@ def test_a_model_first_moved_to_channels_last_by_the_eval_pass_still_trains():
     assert all(torch.isfinite(torch.tensor(fit(model, channels_last=True, epochs=1))))
 
 
+@pytest.mark.parametrize("name", ["cnn", "tv-resnet18"])  # one of each: channels-last measured faster, slower
+def test_auto_puts_a_backbone_in_channels_last_order_only_where_it_trains_faster_so(name):
+    from protofl.task.models import CHANNELS_LAST_FASTER
+    from protofl.task.train import uses_channels_last
+
+    model = build_model(name, CHANNELS, CLASSES, SIZE, seed=0)
+    faster = name in CHANNELS_LAST_FASTER
+    seen = []
+    model.body.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(
+        memory_format=torch.channels_last)))
+    fit(model, channels_last="auto", epochs=1)
+    features_and_logits(model, toy_set()[0], channels_last="auto")
+    assert seen and set(seen) == {faster} and uses_channels_last(model, "auto") == faster
+    assert uses_channels_last(model, True) and not uses_channels_last(model, False)  # explicit: as written
+
+
 def test_channels_last_leaves_flat_inputs_alone():
     x, y = torch.randn(20, 8, generator=torch.Generator().manual_seed(0)), torch.arange(20) % 3
 
@@ -114,7 +130,7 @@ def test_a_bad_amp_is_an_error_and_the_run_config_reads_both_keys():
         fit(build_model("cnn", CHANNELS, CLASSES, SIZE, seed=0), amp="fp16")
     settings = ExperimentSettings.from_run_config({"amp": "bf16", "channels-last": True})
     assert (settings.amp, settings.channels_last) == ("bf16", True)
-    assert (ExperimentSettings().amp, ExperimentSettings().channels_last) == ("auto", True)
+    assert (ExperimentSettings().amp, ExperimentSettings().channels_last) == ("auto", "auto")
     with pytest.raises(ValueError, match="amp must be one of"):
         ExperimentSettings.from_run_config({"amp": "fp16"})
 
@@ -178,8 +194,9 @@ def test_a_run_records_how_it_computes_and_the_server_scores_the_global_model_wi
                         "output-dir": str(tmp_path), "run-name": amp}, num_nodes=2)
         compute = json.loads((tmp_path / amp / "results.json").read_text())["compute"]
         assert compute["amp"] == amp and compute["autocast"] == resolve_amp(amp, torch.device("cpu"))
-        assert compute["channels_last"] is True and compute["device"] == "cpu" and compute["threads"] >= 1
-        assert scored[-1] == {"amp": amp, "channels_last": True}
+        assert compute["channels_last"] == "auto" and compute["memory_format"] == "channels-last"  # the CNN's
+        assert compute["device"] == "cpu" and compute["threads"] >= 1
+        assert scored[-1] == {"amp": amp, "channels_last": "auto"}
 
 
 def test_bf16_training_on_concurrent_threads_gives_what_it_gives_alone():

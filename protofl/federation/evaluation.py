@@ -30,13 +30,13 @@ from protofl.federation.wire import (
 from protofl.report import RunRecorder, personalized_stats, progress_line
 from protofl.settings import is_int, is_number
 from protofl.task.models import SplitModel
-from protofl.task.train import Amp, features_and_logits, head_loss_and_correct
+from protofl.task.train import Amp, ChannelsLast, features_and_logits, head_loss_and_correct
 from protofl.task.weights import set_weights
 
 
 def global_model_scores(
     model: SplitModel, weights: list[np.ndarray], test: tuple[torch.Tensor, torch.Tensor], *, amp: Amp = "off",
-    channels_last: bool = False,
+    channels_last: ChannelsLast = False,
 ) -> tuple[float, float]:
     """GM: (loss, accuracy) of ``model`` with ``weights`` on the global test set (``amp`` and
     ``channels_last``: the run's, as the clients score)."""

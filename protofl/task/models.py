@@ -18,7 +18,10 @@ from torch.overrides import TorchFunctionMode
 
 
 class SplitModel(nn.Module):
-    """body -> features -> head -> logits."""
+    """body -> features -> head -> logits. ``channels_last_faster``: whether the backbone trains
+    faster with its image batches in channels-last memory order (``channels-last="auto"``)."""
+
+    channels_last_faster = False
 
     def __init__(self, body: nn.Module, head: nn.Module, feature_dim: int) -> None:
         super().__init__()
@@ -226,6 +229,11 @@ MODELS = {
     "tv-mobilenetv2": mobilenet_v2,
 }
 
+# The backbones whose training (float32, on a CPU) measured faster with channels-last image batches
+# than with NCHW ones, at their data sets' image sizes (benchmarks/throughput.py; docs/results/speed.md):
+# what channels-last="auto" puts in channels-last order. The others measured slower, or no faster.
+CHANNELS_LAST_FASTER = frozenset({"cnn"})
+
 # FedSA's (and FedTGP's) model-heterogeneous settings: client i gets architecture i mod X.
 MODEL_FAMILIES = {
     "htfe2": ("cnn", "tv-resnet18"),
@@ -279,4 +287,6 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int, 
         known = sorted(MODELS) + sorted(MODEL_FAMILIES)
         raise ValueError(f"model must be one of {known}, got {name!r}")
     with SeededDraws(seed):
-        return MODELS[name](in_channels, num_classes, image_size)
+        model = MODELS[name](in_channels, num_classes, image_size)
+    model.channels_last_faster = name in CHANNELS_LAST_FASTER
+    return model

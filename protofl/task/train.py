@@ -31,6 +31,9 @@ PartialBatch = Literal["drop", "keep"]
 # and float32 elsewhere ("auto": see native_bf16)
 Amp = Literal["auto", "off", "bf16"]
 AMPS = get_args(Amp)
+# memory order of the model and the image batches: channels-last, NCHW (False), or "auto": the
+# order the backbone trains faster in (SplitModel.channels_last_faster, measured per backbone)
+ChannelsLast = bool | Literal["auto"]
 
 
 def get_device() -> torch.device:
@@ -53,7 +56,7 @@ def train(
     partial_batch: PartialBatch = "drop",
     augment: Augment | None = None,
     amp: Amp = "off",
-    channels_last: bool = False,
+    channels_last: ChannelsLast = False,
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
@@ -65,7 +68,8 @@ def train(
     ``augment`` transforms each batch's images (its draws from the same seeded generator).
     ``amp="bf16"`` runs the forward pass and the loss under bfloat16 autocast (the weights, their
     gradients and the optimiser stay float32); ``channels_last`` keeps the model and 4-D batches in
-    ``torch.channels_last`` memory format.
+    ``torch.channels_last`` memory format (``"auto"``: where the backbone trains faster so,
+    :func:`uses_channels_last`).
     """
     autocast = _autocast(amp, x.device)
     channels_last = _to_channels_last(model, x, channels_last)
@@ -158,17 +162,30 @@ def resolve_amp(amp: Amp, device: torch.device) -> Literal["off", "bf16"]:
     return amp
 
 
-def compute_description(amp: Amp, channels_last: bool, device: torch.device) -> dict[str, Any]:
+def uses_channels_last(model: nn.Module, channels_last: ChannelsLast) -> bool:
+    """Whether ``model``'s image batches go channels-last: as ``channels_last`` says, or for
+    ``"auto"`` where the backbone measured faster so (its ``channels_last_faster``)."""
+    if channels_last == "auto":
+        return bool(getattr(model, "channels_last_faster", False))
+    return bool(channels_last)
+
+
+def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.device,
+                        model: nn.Module | None = None) -> dict[str, Any]:
     """How a run with ``amp`` and ``channels_last`` computes on ``device`` (logged, and recorded in
-    results.json): the device, torch's threads on a CPU, the autocast dtype and the memory format."""
+    results.json): the device, torch's threads on a CPU, the autocast dtype and the memory format
+    (of ``model``, when given)."""
     described: dict[str, Any] = {"device": device.type}
     if device.type == "cpu":
         described |= {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     else:
         described["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return described | {"amp": amp, "autocast": resolve_amp(amp, device), "native_bf16": native_bf16(device),
-                        "channels_last": channels_last}
+    described |= {"amp": amp, "autocast": resolve_amp(amp, device), "native_bf16": native_bf16(device),
+                  "channels_last": channels_last}
+    if model is not None:
+        described["memory_format"] = "channels-last" if uses_channels_last(model, channels_last) else "NCHW"
+    return described
 
 
 def _autocast(amp: Amp, device: torch.device) -> contextlib.AbstractContextManager:
@@ -180,10 +197,10 @@ def _autocast(amp: Amp, device: torch.device) -> contextlib.AbstractContextManag
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
-def _to_channels_last(model: nn.Module, x: torch.Tensor, channels_last: bool) -> bool:
-    """Moves ``model`` to channels_last when asked and ``x`` is a batch of images (4-D); returns
-    whether the batches go channels_last too."""
-    if channels_last and x.dim() == 4:
+def _to_channels_last(model: nn.Module, x: torch.Tensor, channels_last: ChannelsLast) -> bool:
+    """Moves ``model`` to channels_last when asked (:func:`uses_channels_last`) and ``x`` is a batch
+    of images (4-D); returns whether the batches go channels_last too."""
+    if uses_channels_last(model, channels_last) and x.dim() == 4:
         model.to(memory_format=torch.channels_last)
         return True
     return False
@@ -214,7 +231,7 @@ def stale_batchnorm(model: nn.Module, steps: int, tolerance: float = 0.01) -> bo
 
 @torch.no_grad()
 def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, chunk_size: int = 1024, *,
-                              amp: Amp = "off", channels_last: bool = False) -> None:
+                              amp: Amp = "off", channels_last: ChannelsLast = False) -> None:
     """Replace the running mean and variance of every BatchNorm layer by those of ``x`` under the
     model's current weights: one no-grad pass with only the BatchNorm layers in training mode,
     over a seeded shuffle of ``x`` in chunks of near-equal size (each chunk counts equally), in the
@@ -246,7 +263,8 @@ def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, 
 
 
 def features_and_logits(
-    model: nn.Module, x: torch.Tensor, batch_size: int = 1024, *, amp: Amp = "off", channels_last: bool = False
+    model: nn.Module, x: torch.Tensor, batch_size: int = 1024, *, amp: Amp = "off",
+    channels_last: ChannelsLast = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eval-mode forward pass over ``x`` in chunks under ``torch.inference_mode`` (``amp`` and
     ``channels_last`` as in :func:`train`). The outputs are float32, need no grad, and are ordinary
