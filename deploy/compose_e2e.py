@@ -51,8 +51,10 @@ SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
                                                   for kind in ("supernode", "superexec-clientapp"))]
 # seconds a round waits for replies: a CPU round of the demo takes 6-17 s on a 2-core machine (the
 # first one up to ~25 s with the ClientApps' cold start); a SuperNode that died fails on its own
-# within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner
-ROUND_TIMEOUT = 60.0
+# within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner.
+# COMPOSE_E2E_ROUND_TIMEOUT raises it on a host that others load (at a load average of 25 on 2 cores a
+# ClientApp's first reply took 107 s)
+ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
 # the demo's run config, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
 # (docker-compose.yml's header, README "Docker compose") passes it; every run below adds to it
 DEMO_RUN_CONFIG = f"round-timeout={ROUND_TIMEOUT}"
