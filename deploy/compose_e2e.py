@@ -1,8 +1,10 @@
 """The ``flwr`` side of deploy/compose_e2e.sh: register SuperNode keys with the containerised
 SuperLink, or run a 2-round FedProto job on digits through its published port (or the operator's
 tunnel to the edge) and check what the ServerApp wrote (results.json, read from its container) and
-what every container logged; or attack the edge of the auth variant from outside and check that
-nothing got through; or crash containers mid-run (``faults``) and check that the restart policies,
+what every container logged, and that every container runs as docker-compose.yml hardens it (no
+capabilities, no-new-privileges, read-only root, not root, ports on 127.0.0.1 only: ``docker inspect``,
+so a key that compose ignored is caught); or attack the edge of the auth variant from outside and check
+that nothing got through, and that the edge refuses connections on this host's other addresses; or crash containers mid-run (``faults``) and check that the restart policies,
 the state volumes and ``resume=true`` carry the runs through.
 
     python deploy/compose_e2e.py register --port P --home DIR [--root-certificates CA] --keys KEY.pub ...
@@ -33,6 +35,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,8 +51,10 @@ SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
                                                   for kind in ("supernode", "superexec-clientapp"))]
 # seconds a round waits for replies: a CPU round of the demo takes 6-17 s on a 2-core machine (the
 # first one up to ~25 s with the ClientApps' cold start); a SuperNode that died fails on its own
-# within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner
-ROUND_TIMEOUT = 60.0
+# within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner.
+# COMPOSE_E2E_ROUND_TIMEOUT raises it on a host that others load (at a load average of 25 on 2 cores a
+# ClientApp's first reply took 107 s)
+ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
 # the demo's run config, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
 # (docker-compose.yml's header, docs/deployment/compose.md) passes it; every run below adds to it
 DEMO_RUN_CONFIG = f"round-timeout={ROUND_TIMEOUT}"
@@ -159,6 +164,63 @@ def flwr_run(home: Path, run_config: str, stream: bool = True, timeout: float = 
     return done.stdout + done.stderr
 
 
+def containers(compose: list[str]) -> dict[str, dict[str, Any]]:
+    """``docker inspect`` of every container of the compose project, by service."""
+    ids = subprocess.run([*compose, "ps", "-q"], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    inspected = json.loads(subprocess.run(["docker", "inspect", *ids], capture_output=True, text=True, timeout=60,
+                                          check=True).stdout) if ids else []
+    return {c["Config"]["Labels"]["com.docker.compose.service"]: c for c in inspected}
+
+
+def hardening_problems(inspected: dict[str, Any]) -> list[str]:
+    """What a running container lacks of docker-compose.yml's hardening (as Docker applied it: compose
+    could ignore a key it does not know), and any port it publishes beyond 127.0.0.1."""
+    host = inspected["HostConfig"]
+    problems = []
+    if "ALL" not in [c.upper() for c in host.get("CapDrop") or []] or host.get("CapAdd"):
+        problems.append(f"capabilities: drop {host.get('CapDrop')}, add {host.get('CapAdd')}")
+    if not any(o.startswith("no-new-privileges") and not o.endswith(":false") for o in host.get("SecurityOpt") or []):
+        problems.append(f"security options {host.get('SecurityOpt')}")
+    if not host.get("ReadonlyRootfs") or host.get("Privileged"):
+        problems.append(f"read-only root {host.get('ReadonlyRootfs')}, privileged {host.get('Privileged')}")
+    if inspected["Config"].get("User", "") in ("", "root", "0"):
+        problems.append("runs as root")
+    for port, bindings in (host.get("PortBindings") or {}).items():
+        for binding in bindings or []:
+            if binding.get("HostIp") != "127.0.0.1":
+                problems.append(f"{port} published on {binding.get('HostIp') or 'every address'}")
+    return problems
+
+
+def check_hardening(compose: list[str]) -> None:
+    """Every container of the project runs hardened and publishes on loopback only."""
+    inspected = containers(compose)
+    problems = {service: hardening_problems(c) for service, c in inspected.items()}
+    if not inspected or any(problems.values()):
+        sys.exit(f"containers not hardened as docker-compose.yml says: {problems}")
+    print(f"{len(inspected)} containers: no capabilities, no-new-privileges, read-only root, not root, "
+          f"ports on 127.0.0.1 only")
+
+
+def host_addresses() -> list[str]:
+    """This host's IPv4 addresses other than loopback (``ip -4 addr``)."""
+    listed = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    return [a for a in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", listed) if not a.startswith("127.")]
+
+
+def unreachable_beyond_loopback(port: int) -> list[str]:
+    """The host's other addresses, each checked: the port must not accept a connection there."""
+    addresses = host_addresses()
+    if not addresses:
+        sys.exit("this host has no address beyond loopback to check the edge on")
+    for address in addresses:
+        with socket.socket() as sock:
+            sock.settimeout(3)
+            if sock.connect_ex((address, port)) == 0:
+                sys.exit(f"port {port} accepts connections on {address}: published beyond loopback")
+    return addresses
+
+
 def run(home: Path, name: str, compose: list[str]) -> None:
     flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}'")
     results = Deployment(compose).results(name)
@@ -173,6 +235,7 @@ def run(home: Path, name: str, compose: list[str]) -> None:
         if f"{service}_" not in logs and f"{service}-" not in logs:
             sys.exit(f"no log lines from {service}")
     print(f"{name}: results.json checked ({NUM_NODES} clients, 2 rounds), no tracebacks in the logs")
+    check_hardening(compose)
 
 
 def recorded(results: dict[str, Any] | None) -> list[int]:
@@ -302,7 +365,10 @@ def attack(home: Path, port: int, ca: Path, stranger: Path, compose: list[str]) 
     published = subprocess.run([*compose, "port", "superlink", "8000"], capture_output=True, text=True, timeout=60)
     if re.search(r":[1-9]\d*\s*$", published.stdout):  # compose prints host:port, or nothing / ":0"
         sys.exit(f"the SuperLink is published on {published.stdout.strip()}")
-    print(f"edge: {len(outsiders)} outsider requests refused before the SuperLink, the SuperLink unpublished")
+    addresses = unreachable_beyond_loopback(port)
+    print(f"edge: {len(outsiders)} outsider requests refused before the SuperLink, the SuperLink unpublished; "
+          f"the edge (SUPERLINK_PUBLIC_ADDRESS unset) refuses connections on this host's other addresses "
+          f"{addresses}")
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The docker compose demo, built and run for real: the insecure demo, then the TLS + SuperNode
 # authentication variant behind the edge (the operator's flwr through deploy/operator_tunnel.py,
-# outsiders refused), each a 2-round FedProto run on digits with 2 SuperNodes, its results.json
-# and the containers' logs checked. The insecure demo then survives faults (deploy/compose_e2e.py
+# outsiders refused, the edge on 127.0.0.1 unless SUPERLINK_PUBLIC_ADDRESS says otherwise), each a
+# 2-round FedProto run on digits with 2 SuperNodes, its results.json, the containers' logs and their
+# hardening (no capabilities, no-new-privileges, read-only root, ports on 127.0.0.1) checked. Every
+# image built is checked for the build CA in its layers and history, and for a Python its runtime
+# user can write (deploy/image_check.py). The insecure demo then survives faults (deploy/compose_e2e.py
 # faults): a SuperNode crashed mid-round comes back by itself and the run finishes; a run whose
 # ServerApp's SuperExec crashed resumes (resume=true) to the rounds of the same run made without
 # faults. Run as root from a checkout set up with ./setup.sh:
@@ -16,9 +19,10 @@
 #                  (deploy/base.Dockerfile), for hosts that reach no image registry; "flwr": Docker Hub.
 #   BUILD_CA       a CA bundle that image builds trust, e.g. /etc/ssl/certs/ca-certificates.crt where
 #                  HTTPS goes through a proxy with its own CA (copied into deploy/build/ for the
-#                  builds, removed afterwards).
+#                  builds, with the canary deploy/build-ca-canary.pem, both removed afterwards).
 #   TORCH_INDEX_URL  where the app image's torch comes from (default PyTorch's CPU wheels; empty: PyPI).
 #   DEBIAN_MIRROR  for debootstrap (default http://deb.debian.org/debian).
+#   COMPOSE_E2E_ROUND_TIMEOUT  the runs' round-timeout in seconds (default 60; more on a loaded host).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLOWER_IMAGES=${FLOWER_IMAGES:-protofl-local}
@@ -46,7 +50,7 @@ cleanup() {
   down last
   [ -z "$tunnel_pid" ] || kill "$tunnel_pid" 2>/dev/null || true
   [ $status -eq 0 ] || { log "failed; the containers' logs:"; tail -n 60 "$work"/*.log 2>/dev/null || true; }
-  rm -f deploy/build/compose-e2e-ca.crt
+  rm -f deploy/build/compose-e2e-ca.crt deploy/build/compose-e2e-canary.crt
   if [ -n "$dockerd_pid" ]; then
     log "stopping the dockerd this script started ($dockerd_pid)"
     kill "$dockerd_pid" 2>/dev/null || true
@@ -81,8 +85,10 @@ fi
 if [ -n "${BUILD_CA:-}" ]; then
   cp "$BUILD_CA" deploy/build/compose-e2e-ca.crt
 fi
+# goes wherever a CA in deploy/build/ goes: deploy/image_check.py looks for it in the images
+cp deploy/build-ca-canary.pem deploy/build/compose-e2e-canary.crt
 
-if [ "$FLOWER_IMAGES" != flwr ] && ! docker image inspect "$FLOWER_IMAGES/superexec:$FLWR_VERSION" >/dev/null 2>&1; then
+if [ "$FLOWER_IMAGES" != flwr ]; then
   if ! docker image inspect protofl-debian:bookworm >/dev/null 2>&1; then
     log "debootstrap: a minimal Debian bookworm, imported as protofl-debian:bookworm"
     debootstrap --variant=minbase bookworm "$work/rootfs" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" \
@@ -90,6 +96,7 @@ if [ "$FLOWER_IMAGES" != flwr ] && ! docker image inspect "$FLOWER_IMAGES/supere
     tar -C "$work/rootfs" -c . | docker import - protofl-debian:bookworm >/dev/null
     rm -rf "$work/rootfs"
   fi
+  # always built: unchanged, every layer comes from the cache; changed, no stale base is used
   log "building Flower $FLWR_VERSION's images from it ($FLOWER_IMAGES/*)"
   docker build --quiet -f deploy/base.Dockerfile --build-arg DEBIAN_IMAGE=protofl-debian:bookworm \
     --build-arg FLWR_VERSION="$FLWR_VERSION" -t "$FLOWER_IMAGES/flower:$FLWR_VERSION" . >/dev/null
@@ -99,7 +106,8 @@ if [ "$FLOWER_IMAGES" != flwr ] && ! docker image inspect "$FLOWER_IMAGES/supere
 fi
 
 export SUPERLINK_PORT=$(cd deploy && "$python" -c "import native; print(native.free_port())")
-export SUPERLINK_PUBLIC_ADDRESS=127.0.0.1 SUPERLINK_PUBLIC_PORT=$((SUPERLINK_PORT + 1))
+export SUPERLINK_PUBLIC_PORT=$((SUPERLINK_PORT + 1))
+unset SUPERLINK_PUBLIC_ADDRESS  # the edge where the compose file publishes it by default
 export CREDENTIALS_DIR=$work/credentials
 [ "$FLOWER_IMAGES" = flwr ] || export EDGE_BASE_IMAGE=protofl-debian:bookworm
 tunnel_port=$((SUPERLINK_PORT + 2))
@@ -127,6 +135,10 @@ log "TLS + SuperNode authentication behind the edge: credentials, the SuperLink 
 chown -R 49999:49999 "$CREDENTIALS_DIR"  # the images' user; the CA key is elsewhere ($CREDENTIALS_DIR-ca)
 compose_files=(-f docker-compose.yml -f deploy/compose.tls.yml -f deploy/compose.auth.yml)
 compose build --quiet edge
+log "the images: no build CA in any layer, a Python their user cannot write"
+images=(protofl-superlink protofl-supernode protofl-app protofl-edge)
+[ "$FLOWER_IMAGES" = flwr ] || images+=("$FLOWER_IMAGES/flower")
+"$python" deploy/image_check.py --canary deploy/build-ca-canary.pem "${images[@]/%/:$FLWR_VERSION}"
 compose up -d superlink edge
 "$python" deploy/operator_tunnel.py --edge "127.0.0.1:$SUPERLINK_PUBLIC_PORT" --listen "127.0.0.1:$tunnel_port" \
   --credentials "$CREDENTIALS_DIR" --server-name localhost >"$work/tunnel.log" 2>&1 &

@@ -12,7 +12,7 @@ on the SuperLink's own network only. Who the operator is (``--operator``):
 - ``loopback``: connections from the edge host's own loopback only (the operator logs in to that
   host, or opens an SSH tunnel to it).
 
-    python deploy/edge.py --out edge.conf --listen 0.0.0.0:9443 --upstream 127.0.0.1:9093 \\
+    python deploy/edge.py --out edge.conf --listen 10.0.0.5:9443 --upstream 127.0.0.1:9093 \\
         --credentials deploy/credentials --run-dir /tmp/edge
     nginx -e stderr -c "$PWD/edge.conf" -g 'daemon off;'
 """
@@ -103,7 +103,8 @@ def access_log(text: str) -> list[tuple[str, int, bool, bool]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the configuration file to write")
-    parser.add_argument("--listen", default="0.0.0.0:9443", help="the edge's address (nginx `listen`)")
+    parser.add_argument("--listen", default="127.0.0.1:9443",
+                        help="the edge's address (nginx `listen`); beyond this host only when you say so")
     parser.add_argument("--upstream", default="127.0.0.1:9093", help="the SuperLink's host:port")
     parser.add_argument("--upstream-name", default="localhost", help="a name in the SuperLink's certificate")
     parser.add_argument("--credentials", type=Path, required=True, help="ca.crt, server.pem, server.key")

@@ -33,7 +33,7 @@ COMPOSE_FILES = {
 }
 BIN = Path(sys.executable).parent  # flower-superlink, flwr ... of this environment
 NGINX = shutil.which("nginx") or next((p for p in ["/usr/sbin/nginx"] if os.path.exists(p)), None)  # the edge
-MERGED_LISTS = ("volumes", "ports", "depends_on")  # compose appends these; other lists are replaced
+MERGED_LISTS = ("volumes", "ports", "depends_on", "tmpfs")  # compose appends these; other lists are replaced
 
 
 def _merge(base: Any, override: Any, key: str = "") -> Any:

@@ -4,11 +4,15 @@ deploy/compose_e2e.sh builds and runs them for real (in CI); test_deployment.py 
 command lines natively."""
 
 import functools
+import io
 import re
 import subprocess
+import sys
+import tarfile
 from importlib.metadata import version
 from pathlib import Path
 
+import image_check
 import native
 import pytest
 import yaml
@@ -103,11 +107,17 @@ def test_the_superlink_supernodes_and_superexecs_restart_unless_stopped(variant)
 
 
 def app_stage_creates(directory: str) -> bool:
-    """Whether deploy/Dockerfile's app stage makes ``directory`` (as the image's user, "app"): a named
-    volume mounted there first takes its owner, so the runtime user (uid 49999) can write to it."""
-    stage = (ROOT / "deploy" / "Dockerfile").read_text().split(" AS app", 1)[1]
-    return any(re.search(rf"mkdir -p\b[^\n]*\s{re.escape(directory)}(\s|$)", line) for line in stage.splitlines()
-               if line.startswith("RUN"))
+    """Whether deploy/Dockerfile's app image makes ``directory`` owned by the image's user "app" (made
+    as that user, or chowned to it): a named volume mounted there first takes its owner, so the runtime
+    user (uid 49999) can write to it."""
+    user, escaped = "app", re.escape(directory)  # Flower's images run as "app"
+    for line in shipped_layers(dockerfile_stages(ROOT / "deploy" / "Dockerfile"), "app"):
+        if line.startswith("USER "):
+            user = line.split()[1]
+        elif line.startswith("RUN") and re.search(rf"mkdir -p\b[^&;]*\s{escaped}(\s|$)", line):
+            if user == "app" or re.search(rf"chown app:app\b[^&;]*\s{escaped}(\s|$)", line):
+                return True
+    return False
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v) or "base")
@@ -174,26 +184,123 @@ def published(service) -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("variant", [(), ("local",), ("local", "tls"), ("local", "gpu")],
                          ids=lambda v: "+".join(v) or "base")
-def test_without_supernode_auth_only_loopback_is_published(variant):
-    """Whoever reaches the SuperLink can start runs, i.e. run code in every container: without TLS and
-    SuperNode authentication its port is reachable from this host only, and nothing else is published."""
+def test_without_supernode_auth_only_the_superlink_is_published(variant):
+    """Whoever reaches the SuperLink can start runs, i.e. run code in every container: without the edge
+    only the SuperLink's port is published (by the override file), and nothing else."""
     for name, service in native.load_compose(*variant, environ={})["services"].items():
         ports = published(service)
         if name != "superlink" or "local" not in variant:  # the base file alone publishes nothing
             assert not ports, name
         else:
-            assert ports and {address for address, _, _ in ports} == {"127.0.0.1"}
+            assert ports
+
+
+ALL_VARIANTS = [(), *VARIANTS]
+# what a host beyond this one can reach only when the operator says so (docs/deployment/threat-model.md)
+PUBLIC_ADDRESS = "SUPERLINK_PUBLIC_ADDRESS"
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_nothing_is_published_beyond_loopback_unless_told(variant):
+    """Every port of every variant is published on 127.0.0.1 when nothing is set: a Docker-published
+    port passes the host's INPUT firewall (ufw) by, so 0.0.0.0 would put it on every network the host
+    is on. Only the edge moves, and only with SUPERLINK_PUBLIC_ADDRESS."""
+    defaults = native.load_compose(*variant, environ={})["services"]
+    assert {address for service in defaults.values() for address, _, _ in published(service)} <= {"127.0.0.1"}
+    told = native.load_compose(*variant, environ={PUBLIC_ADDRESS: "10.0.0.5"})["services"]
+    for name, service in told.items():
+        expected = "10.0.0.5" if name == "edge" else "127.0.0.1"
+        assert {address for address, _, _ in published(service)} <= {expected}, name
 
 
 def test_the_auth_variant_publishes_only_the_edge_and_where_is_chosen():
     services = native.load_compose("tls", "auth", environ={})["services"]
     assert {name: published(service) for name, service in services.items() if published(service)} == {
-        "edge": [("0.0.0.0", "9443", "9443")]}  # the SuperLink itself: no host port at all
-    chosen = native.load_compose("tls", "auth", environ={"SUPERLINK_PUBLIC_ADDRESS": "10.0.0.5",
+        "edge": [("127.0.0.1", "9443", "9443")]}  # the SuperLink itself: no host port at all
+    chosen = native.load_compose("tls", "auth", environ={PUBLIC_ADDRESS: "10.0.0.5",
                                                           "SUPERLINK_PUBLIC_PORT": "443", "SUPERLINK_PORT": "18000"})
     assert published(chosen["services"]["edge"]) == [("10.0.0.5", "443", "9443")]
     edge = services["edge"]
     assert edge["build"]["dockerfile"] == EDGE_DOCKERFILE and edge["depends_on"] == ["superlink"]
+
+
+def test_the_native_edge_listens_on_loopback_unless_told(tmp_path):
+    """deploy/edge.py's own default, for the edge as a native process (docs/deployment/edge.md)."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "deploy" / "edge.py"), "--credentials", str(tmp_path), "--run-dir",
+               str(run_dir)]
+    subprocess.run([*command, "--out", str(tmp_path / "default.conf")], check=True, timeout=60)
+    subprocess.run([*command, "--out", str(tmp_path / "told.conf"), "--listen", "10.0.0.5:9443"], check=True,
+                   timeout=60)
+    assert re.findall(r"^\s*listen (\S+) ssl;", (tmp_path / "default.conf").read_text(), flags=re.M) == [
+        "127.0.0.1:9443"]
+    assert re.findall(r"^\s*listen (\S+) ssl;", (tmp_path / "told.conf").read_text(), flags=re.M) == [
+        "10.0.0.5:9443"]
+
+
+# tmpfs mounts a hardened service may have: /tmp, and directories of the runtime user (uid 49999) only
+OWN_TMPFS = re.compile(r"(/app/\.flwr|/app/\.cache|/var/lib/protofl-edge):uid=49999,gid=49999,mode=0700")
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_every_service_runs_without_capabilities_on_a_read_only_root(variant):
+    """No capability, no privilege gained through setuid files, a root file system that is read-only
+    (writes go to named volumes or to tmpfs); deploy/compose_e2e.sh runs the variants so."""
+    for name, service in native.load_compose(*variant, environ={})["services"].items():
+        assert service.get("cap_drop") == ["ALL"] and not service.get("cap_add"), name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        assert service.get("read_only") is True and not service.get("privileged"), name
+        assert service.get("user") in (None, "49999", "49999:49999"), name  # the images' user, never root
+        tmpfs = service.get("tmpfs", [])
+        assert all(entry == "/tmp" or OWN_TMPFS.fullmatch(entry) for entry in tmpfs), (name, tmpfs)
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert not source.startswith(("/", ".")) or volume.endswith(":ro"), (name, volume)  # host paths: read-only
+
+
+def dockerfile_stages(path: Path) -> dict[str, dict]:
+    """A Dockerfile's stages by name (the last one also as ""): the image or stage it starts FROM and its
+    instructions, continuation lines joined."""
+    instructions = re.sub(r"\\\n", " ", path.read_text())
+    stages: dict[str, dict] = {}
+    current = None
+    for line in instructions.splitlines():
+        line = line.strip()
+        if line.startswith("FROM "):
+            parts = line.split()
+            current = {"from": parts[1], "instructions": []}
+            stages[parts[3] if len(parts) > 3 and parts[2].upper() == "AS" else f"#{len(stages)}"] = current
+        elif current is not None and line and not line.startswith("#"):
+            current["instructions"].append(line)
+    stages[""] = current
+    return stages
+
+
+def shipped_layers(stages: dict[str, dict], target: str) -> list[str]:
+    """The instructions whose layers a target ships: its own and those of the stages it starts FROM
+    (not those of stages it only copies from)."""
+    chain, stage = [], stages[target]
+    while stage is not None:
+        chain = stage["instructions"] + chain
+        stage = stages.get(stage["from"])
+    return chain
+
+
+SHIPPED = [("Dockerfile", "superlink"), ("Dockerfile", "supernode"), ("Dockerfile", "app"),
+           ("base.Dockerfile", ""), ("edge.Dockerfile", "")]
+
+
+@pytest.mark.parametrize("dockerfile, target", SHIPPED, ids=lambda x: x or "last")
+def test_the_build_ca_goes_into_no_shipped_layer(dockerfile, target):
+    """deploy/build/ (pip.sh and any *.crt: a proxy's CA) is copied only into build stages that the
+    shipped images copy results out of: a file deleted by a later layer stays in the image's history.
+    deploy/image_check.py checks the built images' layers (deploy/compose_e2e.sh)."""
+    stages = dockerfile_stages(ROOT / "deploy" / dockerfile)
+    layers = shipped_layers(stages, target)
+    assert layers, target
+    copies = [line for line in layers if line.startswith(("COPY", "ADD")) and "--from=" not in line]
+    assert not [line for line in copies if "deploy/build" in line], copies
+    assert not [line for line in layers if line.startswith(("ARG", "ENV")) and "CA" in line.upper().split("=")[0]]
 
 
 @pytest.mark.parametrize("variant", [("tls",), ("tls", "auth")], ids="+".join)
@@ -255,7 +362,7 @@ def test_build_context_holds_only_what_the_dockerfile_copies():
     copied = set()
     dockerfiles = ("Dockerfile", "base.Dockerfile", "edge.Dockerfile")
     for line in (line for name in dockerfiles for line in (ROOT / "deploy" / name).read_text().splitlines()):
-        if line.startswith("COPY"):
+        if line.startswith("COPY") and "--from=" not in line:  # from the context, not from a stage
             copied |= {token.rstrip("/") for token in line.split()[1:-1] if not token.startswith("--")}
     assert copied == allowed
 
@@ -275,3 +382,45 @@ def test_variables_are_substituted_as_compose_does():
     for name in ("superlink", "supernode-1", "superexec-clientapp-1"):
         assert local["services"][name]["build"]["args"]["FLOWER_IMAGES"] == "protofl-local", name
     assert local["services"]["superexec-clientapp-1"]["build"]["args"]["TORCH_INDEX_URL"] == ""  # PyPI's torch
+
+
+# --- deploy/image_check.py: what compose_e2e.sh checks in the built images, on tars made here ---
+
+CANARY = (ROOT / "deploy" / "build-ca-canary.pem").read_text()
+
+
+def tar_bytes(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def saved_image(*layers: dict[str, bytes], config: bytes = b'{"history": []}') -> io.BytesIO:
+    """A tar laid out as ``docker save`` writes one: a directory per layer, the configuration, the manifest."""
+    files = {f"{i:064x}/layer.tar": tar_bytes(layer) for i, layer in enumerate(layers)}
+    files |= {"config.json": config, "manifest.json": b'[{"Config": "config.json"}]'}
+    return io.BytesIO(tar_bytes(files))
+
+
+def test_the_image_check_finds_the_canary_in_any_layer_even_one_a_later_layer_deletes():
+    needles = image_check.pem_needles(CANARY)
+    assert len(needles) == 1 and needles[0] in CANARY.encode()
+    bundle = b"# public CAs ...\n" + (b"x" * (image_check.CHUNK - 20)) + CANARY.encode()  # across a chunk border
+    base = {"usr/bin/python3": b"\x7fELF...", "etc/ssl/certs/ca.pem": b"-----BEGIN CERTIFICATE-----\nMIIB\n"}
+    clean = saved_image(base, {"python/venv/lib/site.py": b"import os\n"})
+    assert image_check.scan_saved_image(clean, needles) == (2, [])
+    # what main's Dockerfiles did: COPY deploy/build/ in one layer, `rm -rf /tmp/build` in the next;
+    # and pip-install.sh's merged bundle left in /tmp
+    leaked = saved_image(base, {"tmp/build/proxy.crt": CANARY.encode()},
+                         {"tmp/build/.wh..wh..opq": b"", "tmp/tmp.Ab12": bundle})
+    layers, findings = image_check.scan_saved_image(leaked, needles)
+    assert layers == 3
+    assert any("tmp/build/proxy.crt: holds the canary" in f for f in findings)
+    assert any("tmp/tmp.Ab12: holds the canary" in f for f in findings)
+    assert any("tmp/build/proxy.crt: under the build directory" in f for f in findings)
+    in_history = saved_image(base, config=b'{"history": [{"created_by": "ARG CA=' + needles[0] + b'"}]}')
+    assert image_check.scan_saved_image(in_history, needles)[1] == ["config.json: holds the canary"]

@@ -65,8 +65,11 @@ def test_ca_dir_option_and_a_ca_key_left_in_out_by_an_older_version(tmp_path):
 
 
 def test_keys_are_0600_from_their_creation_not_by_a_later_chmod(tmp_path, monkeypatch):
-    # a chmod by path comes after the key is on disk, readable under the umask: take it away
-    monkeypatch.setattr(os, "chmod", lambda *args, **kwargs: None)
+    # a chmod, by path or by descriptor, comes after the key is on disk, readable under the umask
+    # (here 0): take every way of changing a mode away, so only the mode the file is created with counts
+    for name in ("chmod", "fchmod", "lchmod"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, lambda *args, **kwargs: None)
     out = tmp_path / "credentials"
     make(out)
     for path in [out / name for name in PRIVATE] + [tmp_path / "credentials-ca" / "ca.key"]:

@@ -175,14 +175,28 @@ def test_node_config_data_dir_replaces_the_run_configs(tmp_path):
         node_data(config, {"partition-id": 1}, "cpu")
 
 
-def test_global_test_pm_reads_the_nodes_data_dir_not_the_servers(tmp_path):
+def test_global_test_pm_reads_the_nodes_data_dir_not_the_servers(tmp_path, monkeypatch):
     from flwr.common import Context, RecordDict
 
+    import protofl.federation.scoring as scoring
     from protofl.client_app import make_client_fn
 
-    for prefix, n in (("train", 60), ("t10k", 20)):
-        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", RNG.integers(0, 256, (n, 28, 28)), compress=False)
-        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
+    # the node's global test set: 20 images whose labels run 9, 8, ..., 0, 9, ... (no other copy of
+    # Fashion-MNIST, Debian's 10000 test images included, has them)
+    node_test_labels = 9 - np.arange(20) % 10
+    for prefix, labels in (("train", np.arange(60) % 10), ("t10k", node_test_labels)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", RNG.integers(0, 256, (len(labels), 28, 28)),
+                  compress=False)
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", labels, compress=False)
+    read = []
+
+    def load_global_test(*args, **kwargs):  # what the scoring got, from wherever it read it
+        x, y = real_load_global_test(*args, **kwargs)
+        read.append(y.cpu().numpy())
+        return x, y
+
+    real_load_global_test = scoring.load_global_test
+    monkeypatch.setattr(scoring, "load_global_test", load_global_test)
     run_config = {"dataset": "fmnist", "data-dir": str(tmp_path / "server-path"), "partition": "iid",
                   "global-test-pm": True}
     node_config = {"partition-id": 0, "num-partitions": 2, "data-dir": str(tmp_path)}
@@ -190,7 +204,8 @@ def test_global_test_pm_reads_the_nodes_data_dir_not_the_servers(tmp_path):
     client = make_client_fn()(context).numpy_client
     parameters = [v.cpu().numpy() for v in client.model.state_dict().values()]
     _, _, metrics = client.evaluate(parameters, {"server-round": 1})
-    assert 0.0 <= metrics["pm-l"] <= 1.0 and 0.0 <= metrics["pm-v"] <= 1.0  # from the node's 20 t10k images
+    assert 0.0 <= metrics["pm-l"] <= 1.0 and 0.0 <= metrics["pm-v"] <= 1.0
+    assert len(read) == 1 and np.array_equal(read[0], node_test_labels)  # scored on the node's 20 images
 
 
 def test_node_cache_serves_the_same_data_and_notices_changed_files(tmp_path, monkeypatch):

@@ -4,9 +4,12 @@ lines (deploy/compose_e2e.sh runs them in Docker), each in its own directory and
 addresses live on a bridge it creates and removes. Every process is killed by process group.
 """
 
+import http.client
 import json
+import ssl
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -85,6 +88,53 @@ def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployme
     native.check_fedproto_results(results, NUM_NODES)  # the two registered nodes, and only they, trained
     for i in range(1, NUM_NODES + 1):
         assert deployment.processes[f"supernode-{i}"].poll() is None  # still serving
+
+    # ... and yet SuperNode authentication keeps no one out by itself: whoever reaches the port registers
+    # a key through the Control API, with no credentials at all (docs/deployment/threat-model.md; the edge is what
+    # keeps the Control API to the operator, tests/test_edge.py)
+    node_id = register_as_a_stranger(link, credentials / f"supernode-{NUM_NODES + 1}.pub")
+    admitted = deployment.start("admitted-stranger", stranger)  # the command line refused above
+    assert wait_for_status(cli_home, node_id, "online", timeout=120), deployment.log("admitted-stranger")
+    assert admitted.poll() is None
+    assert "Failed to activate SuperNode" not in deployment.log("admitted-stranger")
+
+
+def register_as_a_stranger(address: tuple[str, int], public_key: Path) -> int:
+    """``register-node`` on the Control API at ``address`` as someone who holds nothing of the
+    deployment: TLS that checks no certificate (no ca.crt), no client certificate, no account.
+    Returns the node id the SuperLink gave the key."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.proto.control_pb2 import RegisterNodeRequest, RegisterNodeResponse
+
+    key = serialization.load_ssh_public_key(public_key.read_bytes())
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    connection = http.client.HTTPSConnection(*address, context=context, timeout=30)
+    try:
+        connection.request("POST", "/v1/control/register-node", RegisterNodeRequest(public_key=pem).SerializeToString(),
+                           headers={"Content-Type": "application/protobuf", "Accept": "application/protobuf"})
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200, (response.status, body[:500])
+    reply = RegisterNodeResponse()
+    reply.ParseFromString(body)
+    assert reply.node_id
+    return reply.node_id
+
+
+def wait_for_status(cli_home: Path, node_id: int, status: str, timeout: float) -> bool:
+    """Whether ``flwr supernode list`` shows the node with ``status`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = native.flwr(cli_home, ["supernode", "list", "deployment", "--format", "json"], timeout=60)
+        nodes = json.loads(listed.stdout).get("nodes", []) if listed.returncode == 0 else []
+        if any(node["node-id"] == str(node_id) and node["status"] == status for node in nodes):
+            return True
+        time.sleep(2)
+    return False
 
 
 class _Network:
