@@ -50,6 +50,16 @@ def seeded(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+def fingerprint(array, projections: int = 8) -> np.ndarray:
+    """A few numbers that stand for a large array (model weights a fixture cannot hold in full):
+    its sum, its L2 norm and its projections onto ``projections`` fixed Gaussian directions
+    (seeded by the array's size), in float64. Two arrays that differ by d have projections that
+    differ by about |d| each, so comparing fingerprints with a tolerance compares the arrays."""
+    flat = np.asarray(array, dtype=np.float64).ravel()
+    directions = np.random.default_rng(flat.size).standard_normal((projections, flat.size))
+    return np.concatenate([[flat.sum(), np.linalg.norm(flat)], directions @ flat])
+
+
 def save_fixture(
     name: str,
     snapshot: Snapshot,
