@@ -115,7 +115,8 @@ def test_original_round_and_server_equal_the_codes(tmp_path):
     global_prototypes = _aggregate(settings, data, _others(given)).broadcast(1)
     np.testing.assert_array_equal(global_prototypes["global-prototypes-mask"].astype(bool), given["global.mask"])
     config = {"server-round": 1, "seed": 1} | {k: encode_array(v) for k, v in global_prototypes.items()}
-    _, _, metrics = FedProtoClient(settings, data, model, 1, RecordDict()).fit([], config)
+    state = RecordDict()
+    _, _, metrics = FedProtoClient(settings, data, model, 1, state).fit([], config)
     _assert_weights(model, theirs, "trained", {name: name for name in OUR_NAMES.values()})
     # the mean over the steps of CE + ld * MSE(feature, global prototype), classes without one masked
     assert metrics[TRAIN_LOSS] == pytest.approx(float(theirs["loss.total"]), rel=1e-5)
@@ -123,6 +124,25 @@ def test_original_round_and_server_equal_the_codes(tmp_path):
     counts = np.load(io.BytesIO(metrics[CLASS_COUNTS]))
     np.testing.assert_array_equal(counts > 0, theirs["mask"])
     assert_matches(prototypes, theirs["prototypes"], "the last epoch's prototypes", **TRAINED)
+    # their score: the nearest global prototype among the client's own classes ("own")
+    config = {"server-round": 1, "seed": 1} | {k: encode_array(v) for k, v in global_prototypes.items()}
+    own = _settings(given, tmp_path, **{"prototype-pass": "last-epoch", "prototype-classes": "own"})
+    _, _, scores = FedProtoClient(own, data, build_method_model(own, data), 1, state).evaluate([], config)
+    assert scores["correct-prototype"] == int(theirs["probe.prototype_correct"])
+    # the switch: class 1's prototype placed on the first probe feature; this client holds no class 1
+    predicted = {}
+    for classes in ("own", "all"):
+        switched = _settings(given, tmp_path, **{"prototype-pass": "last-epoch", "prototype-classes": classes})
+        client = FedProtoClient(switched, data, build_method_model(switched, data), 1, state)
+        client.prepare_evaluation([], config)
+        features, logits = client.forward(data.test_x)
+        vectors, mask = client.received_prototypes
+        vectors = vectors.clone()
+        vectors[1] = features[0]
+        client.received_prototypes = (vectors, mask)
+        predicted[classes] = client.predictors()["prototype"](features, logits)
+    assert predicted["all"][0] == 1 and predicted["own"][0] != 1
+    assert torch.isin(predicted["own"], torch.from_numpy(np.unique(given["train.labels"]))).all()
     strategy = _aggregate(settings, data, [(prototypes, counts), *_others(given)])
     np.testing.assert_array_equal(strategy.global_prototypes.mask, theirs["aggregated.mask"])
     assert_matches(strategy.global_prototypes.vectors, theirs["aggregated.prototypes"], "the aggregated prototypes",

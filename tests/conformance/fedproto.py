@@ -18,8 +18,9 @@ that FedSA's and FedCoSR's papers compare with) and the original authors' (yueta
   ``proto_aggregation`` (unweighted over clients). Their models (CNNMnist, ...) train with
   dropout, whose draws nobody can match, so the model is a dropout-free module of ours with the
   FedAvgCNN layers, returning (log-softmax, feature) as their models do; it is the only adapter.
-  Same images and global prototypes as above, momentum 0.5, ld 1; then ``proto_aggregation`` of
-  this client's new prototypes and the two others'.
+  Same images and global prototypes as above, momentum 0.5, ld 1; then
+  ``test_inference_new_het_lt`` (nearest global prototype among the client's own classes) on the
+  probe set, and ``proto_aggregation`` of this client's new prototypes and the two others'.
 """
 
 from __future__ import annotations
@@ -205,6 +206,19 @@ def _original(checkout: Path, global_prototypes: np.ndarray, global_mask: np.nda
                 "loss.prototype": np.float64(losses["2"])}
     matrix, mask = _as_matrix(prototypes)
     outputs |= {"prototypes": matrix, "mask": mask}
+    # their score: the nearest global prototype among this client's own classes only
+    # (classes_list), with a cumulative counter that, for the first user, adds the head's count:
+    # accuracy_with_prototypes = (correct_head + correct_prototypes) / (2 n)
+    probe = torch.utils.data.TensorDataset(pixels_to_input(inputs["probe.pixels"]),
+                                           torch.from_numpy(inputs["probe.labels"]))
+    n = len(probe)
+    args.num_users = 1
+    model.load_state_dict(state)
+    head_accuracy, prototype_accuracy, _ = update.test_inference_new_het_lt(
+        args, [model], probe, [np.unique(inputs["train.labels"])], {0: range(n)}, given)
+    outputs |= {"probe.head_accuracy": np.float64(head_accuracy[0]),
+                "probe.prototype_accuracy_reported": np.float64(prototype_accuracy[0]),
+                "probe.prototype_correct": np.int64(round(2 * n * prototype_accuracy[0] - n * head_accuracy[0]))}
     aggregated = utils.proto_aggregation(dict(enumerate([prototypes, *_others(inputs)])))
     outputs["aggregated.prototypes"], outputs["aggregated.mask"] = _as_matrix({c: v[0] for c, v in aggregated.items()})
     return inputs, outputs
