@@ -82,10 +82,13 @@ def simplex_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
 
 
 def orthogonal_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
-    """C orthonormal rows (pairwise cosine 0): the official code's init of a uniform draw."""
+    """C orthonormal rows (pairwise cosine 0), as the official code's ``orthogonal_``: the QR of a
+    standard normal d x C draw (``orthogonal_`` discards the uniform draw it is handed), so the
+    rows point anywhere, not into the non-negative orthant the ReLU features live in."""
     if not 1 <= num_classes <= dim:
         raise ValueError(f"the orthogonal init needs classes <= feature size, got {num_classes} and {dim}")
-    return _orthonormal_columns(np.random.default_rng(seed).uniform(size=(dim, num_classes))).T.astype(np.float32)
+    draw = np.random.default_rng(seed).standard_normal((dim, num_classes))
+    return _orthonormal_columns(draw).T.astype(np.float32)
 
 
 def update_prototypes(

@@ -12,7 +12,9 @@ clients' counts of c (Eq. 5, ``weighting = "count"``) or unweighted over the cli
 ``average-parameters = true`` also averages the models (FedAvg + prototype loss), giving a GM.
 
 Inference: nearest global prototype (``inference = "prototype"``, the reported PM) and the
-classifier head; both are logged.
+classifier head; both are logged. The nearest prototype is sought among every class with a global
+prototype (``prototype-classes = "all"``, as PFLlib), or among the classes of the client's own
+training split only (``"own"``, the original code's test).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class FedProtoOptions(MethodOptions):
     average_parameters: bool = False
     inference: Literal["prototype", "head"] = "prototype"
     prototype_pass: PrototypePass = "post-eval"
+    prototype_classes: Literal["all", "own"] = "all"
 
     @property
     def keeps_client_state(self) -> bool:
@@ -86,6 +89,12 @@ class FedProtoClient(PrototypeClient):
             self.restore_personal_model()
         self.load_shared(parameters)
         self.received_prototypes = self.global_prototypes(config)
+        if self.received_prototypes is not None and self.options.prototype_classes == "own":
+            # only this client's classes may be predicted; its training labels are all among them,
+            # so the prototype loss is unchanged
+            prototypes, available = self.received_prototypes
+            held = torch.from_numpy(self.data.class_counts() > 0).to(available.device)
+            self.received_prototypes = (prototypes, available & held)
 
     def batch_loss(self, features, logits, labels):
         if self.received_prototypes is None or self.options.lambda_ <= 0:

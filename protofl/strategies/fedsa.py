@@ -84,14 +84,16 @@ class FedSAOptions(MethodOptions):
 def initial_anchors(num_classes: int, dim: int, seed: int, projected: bool = True) -> np.ndarray:
     """A^0 (C x D float32): N(0, I) class vectors, through an untrained Linear-BN-ReLU x2 embedding
     (PyTorch's default init; the BatchNorms standardise each dimension across the C vectors, as in
-    training mode) with ``projected``, else raw. The same seed gives the same anchors."""
+    training mode) with ``projected``, else raw. The same seed gives the same anchors; drawn in the
+    official code's order (the embedding, then the vectors), so seed 0 gives the anchors of every
+    run of that code (tests/test_conformance_fedsa.py)."""
     with SeededDraws(seed), torch.no_grad():
+        embedding = nn.Sequential(
+            nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(),
+            nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(),
+        ) if projected else None
         anchors = torch.randn(num_classes, dim)
-        if projected:
-            embedding = nn.Sequential(
-                nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(),
-                nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(),
-            )
+        if embedding is not None:
             anchors = embedding.train()(anchors)
     return anchors.numpy().astype(np.float32)
 
