@@ -1,0 +1,109 @@
+"""What every method's conformance module shares: seeded inputs, the fixture file format, the
+record of the snapshot a fixture came from, and the comparison.
+
+A fixture is ``fixtures/<name>.npz`` (``<name>`` = ``<method>-<piece>``), holding
+
+- ``input.<key>``: the arrays fed to the authors' function (and, at test time, to ours);
+- ``output.<key>``: what the authors' function returned;
+- ``snapshot.repository``, ``snapshot.commit``: the GitHub repository and commit that computed it;
+- ``snapshot.call``: which of their functions, in which file, was called (and how it was adapted);
+- ``snapshot.rerun``: the command that writes the fixture again.
+
+Only numbers and strings are stored (no pickles): ``np.load(..., allow_pickle=False)`` reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# The tolerance a float32 reordering explains: two float32 sums of the same n terms in another
+# order differ by at most about n * 2^-24 relative (6e-6 for n = 100); a test on results that
+# went through more steps (a training round) states its own.
+FLOAT32_REORDERING = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The authors' code a fixture was computed with."""
+
+    repository: str  # "owner/name" on GitHub
+    commit: str  # the 40 hex digits of the checked-out commit
+
+
+@dataclass(frozen=True)
+class Fixture:
+    name: str
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    snapshot: Snapshot
+    call: str  # which of their functions computed the outputs
+    rerun: str  # the command that writes it again
+
+
+def seeded(seed: int) -> np.random.Generator:
+    """The generator every fixture input is drawn from (numpy's PCG64, stable across versions)."""
+    return np.random.default_rng(seed)
+
+
+def save_fixture(
+    name: str,
+    snapshot: Snapshot,
+    call: str,
+    rerun: str,
+    inputs: dict[str, np.ndarray],
+    outputs: dict[str, np.ndarray],
+    directory: Path = FIXTURES,
+) -> Path:
+    """Write ``<directory>/<name>.npz``; returns its path."""
+    if len(snapshot.commit) != 40:
+        raise ValueError(f"record the full commit, got {snapshot.commit!r}")
+    arrays = {f"input.{k}": np.asarray(v) for k, v in inputs.items()}
+    arrays |= {f"output.{k}": np.asarray(v) for k, v in outputs.items()}
+    arrays |= {
+        "snapshot.repository": np.str_(snapshot.repository),
+        "snapshot.commit": np.str_(snapshot.commit),
+        "snapshot.call": np.str_(call),
+        "snapshot.rerun": np.str_(rerun),
+    }
+    if any(a.dtype == object for a in arrays.values()):
+        raise TypeError("a fixture holds numbers and strings only")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.npz"
+    np.savez_compressed(path, **arrays)
+    return path
+
+
+def load_fixture(name: str, directory: Path = FIXTURES) -> Fixture:
+    """Read ``<directory>/<name>.npz`` (no pickles)."""
+    with np.load(directory / f"{name}.npz", allow_pickle=False) as stored:
+        arrays = {key: stored[key] for key in stored.files}
+
+    def part(prefix: str) -> dict[str, np.ndarray]:
+        return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+    return Fixture(
+        name=name,
+        inputs=part("input."),
+        outputs=part("output."),
+        snapshot=Snapshot(str(arrays["snapshot.repository"]), str(arrays["snapshot.commit"])),
+        call=str(arrays["snapshot.call"]),
+        rerun=str(arrays["snapshot.rerun"]),
+    )
+
+
+def assert_matches(actual, expected, what: str, rtol: float = FLOAT32_REORDERING["rtol"],
+                   atol: float = FLOAT32_REORDERING["atol"]) -> None:
+    """``actual`` (ours) equals ``expected`` (the authors') within the tolerance; the message names
+    ``what`` and the largest difference."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, the authors' code {expected.shape}"
+    largest = float(np.max(np.abs(actual - expected))) if actual.size else 0.0
+    assert np.allclose(actual, expected, rtol=rtol, atol=atol), (
+        f"{what}: differs from the authors' code by up to {largest:.3g} (rtol {rtol}, atol {atol})"
+    )
