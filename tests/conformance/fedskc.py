@@ -195,7 +195,7 @@ def server_round(server, rng) -> tuple[dict, dict]:
     previous = perturbed_states(rng, 1, NUM_CLASSES)[0]
     vectors, held = _client_knowledge(rng, clients)
     previous_knowledge = rng.standard_normal((NUM_CLASSES, NUM_CLASSES)).astype(np.float32)
-    previous_mask = np.array([True, True, True, True, False])
+    previous_mask = np.ones(NUM_CLASSES, bool)  # class 4 held last round, by nobody now
     sizes = [30, 55, 12, 80]
     # FedSKC_main, lines 261-271 (round_id = 2)
     list_dicts_local_params = [state_from_arrays(s) for s in states]
