@@ -24,6 +24,7 @@ from protofl.strategies.fedsc import (
     consistent_prototypes,
     label_discrepancy,
     relational_prototypes,
+    rpcl_loss,
 )
 from protofl.strategies.fedskc import (
     GLOBAL_KNOWLEDGE,
@@ -298,6 +299,24 @@ def test_fedsc_client_trains_with_ce_only_in_round_one_then_adds_rpcl_and_cpdr()
     assert second["rpcl-loss"] > 0 and second["cpdr-loss"] > 0
     ablated = digits_client(FedSCClient, "fedsc", **{"use-rpcl": False})
     assert "rpcl-loss" not in ablated.fit(weights, config)[2]
+
+
+def test_rpcl_code_form_by_hand():
+    # two samples (classes 0 and 1), features (1, 0) and (0, 1); prototypes r0 = (1, 0) of class 0 and
+    # r1 = (0, 1) of class 1; tau = 1. The code: own positive (similarity 1), and each prototype
+    # counted once per sample of another class (r0 once, for sample 1; r1 once, for sample 0)
+    features, labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    keys, key_labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    # each sample: -log(e / (e + e^cos(z, r0) + e^cos(z, r1))) = -log(e / (e + e + 1))
+    code = rpcl_loss(features, labels, keys, key_labels, 1.0, "none", "code")
+    assert code.item() == pytest.approx(math.log(2 + math.exp(-1)))
+    # a batch of class 0 only: r0 is nobody's negative, r1 twice: -log(e / (e + 2 e^0)) for sample 0
+    code = rpcl_loss(features[:1].repeat(2, 1), torch.tensor([0, 0]), keys, key_labels, 1.0, "none", "code")
+    assert code.item() == pytest.approx(math.log(1 + 2 * math.exp(-1)))
+    paper = rpcl_loss(features, labels, keys, key_labels, 1.0, "none", "paper")
+    assert paper.item() == pytest.approx(math.log(1 + math.exp(-1)))
+    with pytest.raises(ValueError, match="similarity-norm"):
+        FedSCClient.options_class.from_settings(ExperimentSettings(method="fedsc", options={"rpcl-form": "code"}))
 
 
 def test_cpdr_distances():
