@@ -1,8 +1,8 @@
 """FedSC against numbers its authors' code computed (tests/conformance/fixtures/fedsc-*.npz, written by
 ``python tests/conformance/make_fixtures.py fedsc``; their code is not imported here).
 
-protofl's default follows the paper; the released code is reproduced by ``rpcl-form="code"`` with
-``similarity-norm="none"`` (its positive lookup fails and falls back to the sample's own feature;
+protofl's default follows the paper; the released code is reproduced by ``rpcl-form="code"`` (plain
+cosine; its positive lookup fails and falls back to the sample's own feature;
 negatives pooled over the batch), ``use-cpdr=false`` (its CPDR is MSE(z, z.detach()): 0, zero
 gradient), ``neighbours=0`` (its neighbour merge writes into a copy it discards) and
 ``prototype-pass="last-epoch"``. Its consistent prototypes weight the i-th holder of a class by the
@@ -41,7 +41,7 @@ from protofl.task.prototypes import sigmoid_discrepancy_weights
 pytestmark = pytest.mark.conformance
 
 ROUND = {"rtol": 1e-4, "atol": 1e-5}
-AS_THE_CODE = {"rpcl-form": "code", "similarity-norm": "none", "use-cpdr": False, "neighbours": 0,
+AS_THE_CODE = {"rpcl-form": "code", "use-cpdr": False, "neighbours": 0,
                "prototype-pass": "last-epoch"}
 
 

@@ -2,11 +2,10 @@
 by ``python tests/conformance/make_fixtures.py fedskc``; their code is not imported here).
 
 Where the code differs from the paper, protofl's default follows the paper and the test runs the
-switch that reproduces the code: ``similarity-norm="none"`` and ``lcl-form="code"`` (LCL's
-positive counted twice, a sample whose class has no knowledge its own positive),
-``lcl-warmup-rounds=100``, ``silu=false``, ``prototype-pass="last-epoch"``, ``gda-mode="fedavg"``
-(their GDA is computed, then overwritten by FedAvg), ``beta=0.99``, ``gpr-entries="all"`` and
-``gpr-classes="each-round"``.
+switch that reproduces the code: ``lcl-form="code"`` (plain cosine, LCL's positive counted twice,
+a sample whose class has no knowledge its own positive), ``lcl-warmup-rounds=100``, ``silu=false``,
+``prototype-pass="last-epoch"``, ``gda-mode="fedavg"`` (their GDA is computed, then overwritten by
+FedAvg), ``beta=0.99``, ``gpr-entries="all"`` and ``gpr-classes="each-round"``.
 
 Tolerances: one function on float32 inputs, a float32 reordering (``FLOAT32_REORDERING``: rtol
 1e-5, atol 1e-6); a local round (3 SGD steps at lr 0.1 through BatchNorm) rtol 1e-4, atol 1e-5,
@@ -44,7 +43,7 @@ pytestmark = pytest.mark.conformance
 
 ROUND = {"rtol": 1e-4, "atol": 1e-5}
 AS_THE_CODE = {  # the switches that make protofl's FedSKC the released code's
-    "similarity-norm": "none", "lcl-form": "code", "lcl-warmup-rounds": 100, "silu": False,
+    "lcl-form": "code", "lcl-warmup-rounds": 100, "silu": False,
     "prototype-pass": "last-epoch", "gda-mode": "fedavg", "beta": 0.99, "gpr-entries": "all",
     "gpr-classes": "each-round",
 }

@@ -229,10 +229,8 @@ def test_lcl_forms_on_one_sample_by_hand():
     assert lcl_loss(logits, torch.tensor([2]), keys, classes, 1.0, "none", "code").item() == pytest.approx(
         math.log(2 + math.exp(-1)))  # own 1, keys 1 and 0
     assert lcl_loss(logits, torch.tensor([2]), keys, classes, 1.0, "none", "paper").item() == 0.0
-    with pytest.raises(ValueError, match="similarity"):
-        lcl_loss(logits, label, keys, classes, 1.0, "mean-distance", "code")
-    with pytest.raises(ValueError, match="similarity-norm"):
-        FedSKCClient.options_class.from_settings(ExperimentSettings(method="fedskc", options={"lcl-form": "code"}))
+    # the code's form is plain cosine: the paper's normaliser U does not apply to it
+    assert lcl_loss(logits, label, keys, classes, 1.0, "mean-distance", "code").item() == code.item()
 
 
 def test_gpr_entries_all_reviews_the_batchnorm_statistics_too(tmp_path):
@@ -315,8 +313,8 @@ def test_rpcl_code_form_by_hand():
     assert code.item() == pytest.approx(math.log(1 + 2 * math.exp(-1)))
     paper = rpcl_loss(features, labels, keys, key_labels, 1.0, "none", "paper")
     assert paper.item() == pytest.approx(math.log(1 + math.exp(-1)))
-    with pytest.raises(ValueError, match="similarity-norm"):
-        FedSCClient.options_class.from_settings(ExperimentSettings(method="fedsc", options={"rpcl-form": "code"}))
+    assert rpcl_loss(features, labels, keys, key_labels, 1.0, "mean-distance", "code").item() == pytest.approx(
+        math.log(2 + math.exp(-1)))  # plain cosine: U does not apply
 
 
 def test_cpdr_distances():

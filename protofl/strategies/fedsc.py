@@ -7,9 +7,9 @@ CE + RPCL + CPDR per mini-batch:
 - RPCL (Eq. 13-14): multi-positive InfoNCE of each feature against every relational prototype of
   its class (positives) and all other classes' (negatives), temperature 0.05, similarity
   cos(z, r) / U(r) with U(r) the batch's mean distance to r (``similarity-norm = "none"``: plain
-  cosine, as the code; ``rpcl-form = "code"`` with it: what the released code computes, each
+  cosine, as the code); ``rpcl-form = "code"``: what the released code computes, plain cosine, each
   sample's own feature its positive and every other-class prototype of the batch's samples pooled
-  as negatives);
+  as negatives;
 - CPDR (Eq. 15): distance of each feature to its class's consistent prototype, MSE as the code
   (``cpdr-distance = "l1"``: Eq. 15 as printed; ``"l2"``: the appendix's norm).
 Samples of a class the server has no prototype for are left out of both. After training the
@@ -24,8 +24,7 @@ relational prototypes; the label-distribution discrepancy d_k (Eq. 10) and sigmo
 e_k (Eq. 11); the consistent prototype o^j = sum e_k r_k^j / sum e_k over the holders of j
 (Eq. 12). Both go out as bytes in the next round's fit config. Ablations (Table 4): ``use-rpcl``,
 ``use-cpdr``; ``neighbours = 0`` keeps the raw prototypes (what the code's merge amounts to).
-The released code as it runs: ``rpcl-form = "code"``, ``similarity-norm = "none"``,
-``use-cpdr = false`` (its CPDR is MSE(z, z.detach()): zero, with zero gradient), ``neighbours = 0``,
+The released code as it runs: ``rpcl-form = "code"``, ``use-cpdr = false`` (its CPDR is MSE(z, z.detach()): zero, with zero gradient), ``neighbours = 0``,
 ``prototype-pass = "last-epoch"``; tests/test_conformance_fedsc.py checks it against numbers the
 authors' code computed.
 """
@@ -77,8 +76,6 @@ class FedSCOptions(MethodOptions):
     def check(self) -> None:
         if self.temperature <= 0 or self.neighbours < 0 or min(self.lambda_rpcl, self.lambda_cpdr) < 0:
             raise ValueError("fedsc: temperature must be > 0, neighbours and the loss weights >= 0")
-        if self.rpcl_form == "code" and self.similarity_norm != "none":
-            raise ValueError('fedsc: rpcl-form = "code" is the released code\'s plain-cosine RPCL: set similarity-norm = "none"')
 
 
 # --- server math ------------------------------------------------------------------------
@@ -119,9 +116,10 @@ def rpcl_loss(
     temperature: float, similarity_norm: str = "mean-distance", form: str = "paper",
 ) -> torch.Tensor:
     """RPCL (Eq. 13-14), the mean over the batch. ``paper``: :func:`multi_positive_infonce`, every
-    relational prototype of the sample's class a positive, the others negatives.
+    relational prototype of the sample's class a positive, the others negatives, ``similarity_norm``
+    its U.
 
-    ``code``: what the released code computes, plain cosine: its positive lookup fails (a mean over a
+    ``code``: what the released code computes, plain cosine whatever ``similarity_norm``: its positive lookup fails (a mean over a
     Python list) and falls back to the sample's own detached feature (similarity 1), and the
     negatives of all samples are pooled, so every sample sees each prototype once for each sample
     of the batch whose class is not the prototype's (its own class's prototypes too):
@@ -129,8 +127,8 @@ def rpcl_loss(
     """
     if form == "paper":
         return multi_positive_infonce(features, labels, relational, relational_labels, temperature, similarity_norm)
-    if form != "code" or similarity_norm != "none":
-        raise ValueError(f"rpcl form must be paper, or code with similarity norm none; got {form!r}, {similarity_norm!r}")
+    if form != "code":
+        raise ValueError(f"rpcl form must be paper or code, got {form!r}")
     similarity = F.normalize(features, dim=1) @ F.normalize(relational.to(features.dtype), dim=1).T / temperature
     multiplicity = (labels[:, None] != relational_labels[None, :]).sum(dim=0).to(features.dtype)
     own = torch.full_like(similarity[:, :1], 1.0 / temperature)

@@ -10,8 +10,8 @@ Client: round 1 (no global knowledge yet) trains with CE only; later rounds with
 cross-entropy of each sample's similarities to the C global knowledge vectors (its own class the
 one positive, classes without knowledge left out, temperature 0.08), similarity
 cos(l, c) / U(c) with U(c) the batch's mean distance to c (``similarity-norm = "none"``: plain
-cosine, as the code; ``lcl-form = "code"`` with it: the positive counted twice in the denominator and
-a sample whose class has no knowledge its own positive, as the code); ``lcl-warmup-rounds = 100``
+cosine, as the code); ``lcl-form = "code"``: the code's LCL, plain cosine, the positive counted twice
+in the denominator and a sample whose class has no knowledge its own positive; ``lcl-warmup-rounds = 100``
 scales LCL by min(r / 100, 1), as the code. Uploads: parameters, the C x C knowledge, the class counts.
 
 Server, each round:
@@ -83,8 +83,6 @@ class FedSKCOptions(MethodOptions):
             raise ValueError("fedskc: temperature must be > 0, neighbours and lambda-lcl >= 0")
         if not 0.0 <= self.beta <= 1.0 or self.lcl_warmup_rounds < 0:
             raise ValueError("fedskc: beta must be in [0, 1] and lcl-warmup-rounds >= 0")
-        if self.lcl_form == "code" and self.similarity_norm != "none":
-            raise ValueError('fedskc: lcl-form = "code" is the released code\'s plain-cosine LCL: set similarity-norm = "none"')
 
 
 # --- server math ------------------------------------------------------------------------
@@ -166,16 +164,18 @@ def lcl_loss(
 ) -> torch.Tensor:
     """LCL (Eq. 2-3), the mean over the batch. ``paper``: cross-entropy of each sample's similarities
     to the available classes' knowledge, its own class the one positive (samples of a class without
-    knowledge left out): :func:`multi_positive_infonce` with one key per class.
+    knowledge left out): :func:`multi_positive_infonce` with one key per class, ``similarity_norm``
+    its U.
 
-    ``code``: the released code's form, plain cosine: logits [s(l, c^y), s(l, c^1), ..., s(l, c^M)] / tau
-    with target 0, so the positive is counted twice in the denominator; a sample whose class has
-    no knowledge takes its own (detached) logits as the positive, similarity 1.
+    ``code``: the released code's form, plain cosine whatever ``similarity_norm``: logits
+    [s(l, c^y), s(l, c^1), ..., s(l, c^M)] / tau with target 0, so the positive is counted twice in
+    the denominator; a sample whose class has no knowledge takes its own (detached) logits as the
+    positive, similarity 1.
     """
     if form == "paper":
         return multi_positive_infonce(logits, labels, knowledge, knowledge_classes, temperature, similarity_norm)
-    if form != "code" or similarity_norm != "none":
-        raise ValueError(f"lcl form must be paper, or code with similarity norm none; got {form!r}, {similarity_norm!r}")
+    if form != "code":
+        raise ValueError(f"lcl form must be paper or code, got {form!r}")
     similarity = F.normalize(logits, dim=1) @ F.normalize(knowledge.to(logits.dtype), dim=1).T / temperature
     positive = labels[:, None] == knowledge_classes[None, :]
     own = torch.where(positive.any(dim=1), (similarity * positive).sum(dim=1),
