@@ -233,15 +233,16 @@ def test_lcl_forms_on_one_sample_by_hand():
     assert lcl_loss(logits, label, keys, classes, 1.0, "mean-distance", "code").item() == code.item()
 
 
-def test_gpr_entries_all_reviews_the_batchnorm_statistics_too(tmp_path):
-    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4", **{"gpr-entries": "all"})
+def test_gpr_reviews_the_batchnorm_statistics_by_default(tmp_path):
+    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4")  # gpr-entries = "all"
     names = list(strategy.model.state_dict())
     assert strategy.reviewed[names.index("body.1.running_mean")]
     assert not strategy.reviewed[names.index("body.1.num_batches_tracked")]  # an integer: carried
 
 
 def test_fedskc_strategy_reviews_trainable_parameters_from_round_two(tmp_path):
-    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4", **{"gpr-form": "interp"})
+    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4",
+                               **{"gpr-form": "interp", "gpr-entries": "trainable"})
     start = strategy.initial_weights
     names = list(strategy.model.state_dict())
     statistic = names.index("body.1.running_mean")  # the stem's BatchNorm

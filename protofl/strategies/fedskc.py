@@ -26,9 +26,11 @@ Server, each round:
    since the last round (over the classes present in both rounds; ``gpr-classes = "each-round"``:
    each sum over its own round's classes, as the code), w <- beta w + (1 - beta) rho (w_prev - w)
    (``gpr-form = "paper"``; the code's form, with beta 0.99) or w <- w + (1 - beta) rho (w_prev - w)
-   (``"interp"``), on the trainable parameters (``gpr-entries = "all"``: every floating state entry,
-   BatchNorm statistics too, as the code; else they are carried from step 2); skipped while there
-   is no previous knowledge.
+   (``"interp"``), on every floating state entry, BatchNorm running statistics too, as the code
+   (``gpr-entries = "trainable"``: the trainable parameters only, the statistics carried from step 2;
+   in eval mode a BatchNorm layer whose weights shrank but whose statistics did not is off by
+   (1 - beta) mu / sigma, and benchmarks/gpr_shrink.py measured more changed predictions that way);
+   skipped while there is no previous knowledge.
 Ablations (Table V): ``use-lcl``, ``use-gda``, ``use-gpr``. tests/test_conformance_fedskc.py checks
 the code's switches against numbers the authors' code computed.
 """
@@ -74,7 +76,7 @@ class FedSKCOptions(MethodOptions):
     gpr_form: Literal["paper", "interp"] = "paper"
     beta: float = 0.95
     gpr_clip: bool = False  # clip rho to [-1, 1] (not in the paper)
-    gpr_entries: Literal["trainable", "all"] = "trainable"
+    gpr_entries: Literal["all", "trainable"] = "all"
     gpr_classes: VarianceClasses = "both-rounds"
     prototype_pass: PostOrLastEpochPass = "post-eval"
 
@@ -198,7 +200,7 @@ class FedSKCStrategy(PrototypeStrategy):
         self.global_weights = list(self.initial_weights)  # what the clients trained from this round
         parameters = {name for name, _ in self.model.named_parameters()}
         state = self.model.state_dict()
-        every_float = self.options.gpr_entries == "all"  # BatchNorm statistics too, as the code
+        every_float = self.options.gpr_entries == "all"  # BatchNorm statistics too (the code)
         self.reviewed = [name in parameters or (every_float and state[name].is_floating_point()) for name in state]
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
