@@ -24,6 +24,7 @@ from protofl.strategies.fedsc import (
     consistent_prototypes,
     label_discrepancy,
     relational_prototypes,
+    rpcl_loss,
 )
 from protofl.strategies.fedskc import (
     GLOBAL_KNOWLEDGE,
@@ -32,6 +33,7 @@ from protofl.strategies.fedskc import (
     gda_weights,
     global_knowledge,
     knowledge_discrepancy,
+    lcl_loss,
     period_review,
     variance_ratio,
 )
@@ -194,8 +196,8 @@ def test_the_three_gda_modes():
 
 def test_both_gpr_forms_change_only_trainable_arrays():
     weights, previous = [np.array([2.0]), np.array([10.0])], [np.array([1.0]), np.array([4.0])]
-    paper = period_review(weights, previous, ratio=0.5, beta=0.9, form="paper", trainable=[True, False])
-    interp = period_review(weights, previous, ratio=0.5, beta=0.9, form="interp", trainable=[True, False])
+    paper = period_review(weights, previous, ratio=0.5, beta=0.9, form="paper", reviewed=[True, False])
+    interp = period_review(weights, previous, ratio=0.5, beta=0.9, form="interp", reviewed=[True, False])
     assert paper[0].item() == pytest.approx(0.9 * 2 + 0.1 * 0.5 * (1 - 2))  # 1.75
     assert interp[0].item() == pytest.approx(2 + 0.1 * 0.5 * (1 - 2))  # 1.95
     assert paper[1].item() == interp[1].item() == 10.0  # a BatchNorm statistic is carried
@@ -215,12 +217,36 @@ def test_gpr_ratio_compares_only_the_classes_present_in_both_rounds():
     assert variance_ratio(now, before) == pytest.approx(3.0)
 
 
+def test_lcl_forms_on_one_sample_by_hand():
+    # logits (1, 0); knowledge of class 0 = (1, 0), class 1 = (0, 1): similarities 1 and 0, tau = 1
+    logits, keys, classes = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    label = torch.tensor([0])
+    paper = lcl_loss(logits, label, keys, classes, 1.0, "none", "paper")
+    assert paper.item() == pytest.approx(math.log(1 + math.exp(-1)))  # -log(e / (e + 1))
+    code = lcl_loss(logits, label, keys, classes, 1.0, "none", "code")
+    assert code.item() == pytest.approx(math.log(2 + math.exp(-1)))  # -log(e / (e + e + 1)): positive twice
+    # class 2 has no knowledge: the code's sample is its own positive (similarity 1), the paper's is left out
+    assert lcl_loss(logits, torch.tensor([2]), keys, classes, 1.0, "none", "code").item() == pytest.approx(
+        math.log(2 + math.exp(-1)))  # own 1, keys 1 and 0
+    assert lcl_loss(logits, torch.tensor([2]), keys, classes, 1.0, "none", "paper").item() == 0.0
+    # the code's form is plain cosine: the paper's normaliser U does not apply to it
+    assert lcl_loss(logits, label, keys, classes, 1.0, "mean-distance", "code").item() == code.item()
+
+
+def test_gpr_reviews_the_batchnorm_statistics_by_default(tmp_path):
+    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4")  # gpr-entries = "all"
+    names = list(strategy.model.state_dict())
+    assert strategy.reviewed[names.index("body.1.running_mean")]
+    assert not strategy.reviewed[names.index("body.1.num_batches_tracked")]  # an integer: carried
+
+
 def test_fedskc_strategy_reviews_trainable_parameters_from_round_two(tmp_path):
-    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4", **{"gpr-form": "interp"})
+    strategy = digits_strategy(FedSKCStrategy, tmp_path, "fedskc", "resnet8-x4",
+                               **{"gpr-form": "interp", "gpr-entries": "trainable"})
     start = strategy.initial_weights
     names = list(strategy.model.state_dict())
     statistic = names.index("body.1.running_mean")  # the stem's BatchNorm
-    assert strategy.trainable[0] and not strategy.trainable[statistic]
+    assert strategy.reviewed[0] and not strategy.reviewed[statistic]
     knowledge = np.eye(10, dtype=np.float32)
     shifted = [w + 1 if w.dtype.kind == "f" else w for w in start]
     updates = [fit_result(p, [10] * 10, shifted, knowledge * (p + 1)) for p in range(2)]
@@ -272,6 +298,24 @@ def test_fedsc_client_trains_with_ce_only_in_round_one_then_adds_rpcl_and_cpdr()
     assert second["rpcl-loss"] > 0 and second["cpdr-loss"] > 0
     ablated = digits_client(FedSCClient, "fedsc", **{"use-rpcl": False})
     assert "rpcl-loss" not in ablated.fit(weights, config)[2]
+
+
+def test_rpcl_code_form_by_hand():
+    # two samples (classes 0 and 1), features (1, 0) and (0, 1); prototypes r0 = (1, 0) of class 0 and
+    # r1 = (0, 1) of class 1; tau = 1. The code: own positive (similarity 1), and each prototype
+    # counted once per sample of another class (r0 once, for sample 1; r1 once, for sample 0)
+    features, labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    keys, key_labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    # each sample: -log(e / (e + e^cos(z, r0) + e^cos(z, r1))) = -log(e / (e + e + 1))
+    code = rpcl_loss(features, labels, keys, key_labels, 1.0, "none", "code")
+    assert code.item() == pytest.approx(math.log(2 + math.exp(-1)))
+    # a batch of class 0 only: r0 is nobody's negative, r1 twice: -log(e / (e + 2 e^0)) for sample 0
+    code = rpcl_loss(features[:1].repeat(2, 1), torch.tensor([0, 0]), keys, key_labels, 1.0, "none", "code")
+    assert code.item() == pytest.approx(math.log(1 + 2 * math.exp(-1)))
+    paper = rpcl_loss(features, labels, keys, key_labels, 1.0, "none", "paper")
+    assert paper.item() == pytest.approx(math.log(1 + math.exp(-1)))
+    assert rpcl_loss(features, labels, keys, key_labels, 1.0, "mean-distance", "code").item() == pytest.approx(
+        math.log(2 + math.exp(-1)))  # plain cosine: U does not apply
 
 
 def test_cpdr_distances():

@@ -7,7 +7,9 @@ CE + RPCL + CPDR per mini-batch:
 - RPCL (Eq. 13-14): multi-positive InfoNCE of each feature against every relational prototype of
   its class (positives) and all other classes' (negatives), temperature 0.05, similarity
   cos(z, r) / U(r) with U(r) the batch's mean distance to r (``similarity-norm = "none"``: plain
-  cosine, as the code);
+  cosine, as the code); ``rpcl-form = "code"``: what the released code computes, plain cosine, each
+  sample's own feature its positive and every other-class prototype of the batch's samples pooled
+  as negatives;
 - CPDR (Eq. 15): distance of each feature to its class's consistent prototype, MSE as the code
   (``cpdr-distance = "l1"``: Eq. 15 as printed; ``"l2"``: the appendix's norm).
 Samples of a class the server has no prototype for are left out of both. After training the
@@ -22,6 +24,9 @@ relational prototypes; the label-distribution discrepancy d_k (Eq. 10) and sigmo
 e_k (Eq. 11); the consistent prototype o^j = sum e_k r_k^j / sum e_k over the holders of j
 (Eq. 12). Both go out as bytes in the next round's fit config. Ablations (Table 4): ``use-rpcl``,
 ``use-cpdr``; ``neighbours = 0`` keeps the raw prototypes (what the code's merge amounts to).
+The released code as it runs: ``rpcl-form = "code"``, ``use-cpdr = false`` (its CPDR is MSE(z, z.detach()): zero, with zero gradient), ``neighbours = 0``,
+``prototype-pass = "last-epoch"``; tests/test_conformance_fedsc.py checks it against numbers the
+authors' code computed.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
@@ -65,6 +71,7 @@ class FedSCOptions(MethodOptions):
     neighbours: int = 2  # M
     neighbour_metric: NeighbourMetric = "angle"
     prototype_pass: PostOrLastEpochPass = "post-eval"
+    rpcl_form: Literal["paper", "code"] = "paper"
 
     def check(self) -> None:
         if self.temperature <= 0 or self.neighbours < 0 or min(self.lambda_rpcl, self.lambda_cpdr) < 0:
@@ -102,6 +109,31 @@ def consistent_prototypes(
 
 
 # --- client math ------------------------------------------------------------------------
+
+
+def rpcl_loss(
+    features: torch.Tensor, labels: torch.Tensor, relational: torch.Tensor, relational_labels: torch.Tensor,
+    temperature: float, similarity_norm: str = "mean-distance", form: str = "paper",
+) -> torch.Tensor:
+    """RPCL (Eq. 13-14), the mean over the batch. ``paper``: :func:`multi_positive_infonce`, every
+    relational prototype of the sample's class a positive, the others negatives, ``similarity_norm``
+    its U.
+
+    ``code``: what the released code computes, plain cosine whatever ``similarity_norm``: its positive lookup fails (a mean over a
+    Python list) and falls back to the sample's own detached feature (similarity 1), and the
+    negatives of all samples are pooled, so every sample sees each prototype once for each sample
+    of the batch whose class is not the prototype's (its own class's prototypes too):
+    -log(e^(1/tau) / (e^(1/tau) + sum_k m_k e^(cos(z, r_k)/tau))), m_k = #{j: y_j != class of r_k}.
+    """
+    if form == "paper":
+        return multi_positive_infonce(features, labels, relational, relational_labels, temperature, similarity_norm)
+    if form != "code":
+        raise ValueError(f"rpcl form must be paper or code, got {form!r}")
+    similarity = F.normalize(features, dim=1) @ F.normalize(relational.to(features.dtype), dim=1).T / temperature
+    multiplicity = (labels[:, None] != relational_labels[None, :]).sum(dim=0).to(features.dtype)
+    own = torch.full_like(similarity[:, :1], 1.0 / temperature)
+    keys = similarity + multiplicity.log()  # log 0 = -inf: a prototype no sample's negatives hold
+    return (torch.logsumexp(torch.cat([own, keys], dim=1), dim=1) - own[:, 0]).mean()
 
 
 def consistency_loss(
@@ -185,8 +217,9 @@ class FedSCClient(PrototypeClient):
         options = self.options
         total = features.new_zeros(())
         if options.use_rpcl:
-            rpcl = multi_positive_infonce(  # Eq. 14
-                features, labels, relational, relational_labels, options.temperature, options.similarity_norm
+            rpcl = rpcl_loss(  # Eq. 14
+                features, labels, relational, relational_labels, options.temperature, options.similarity_norm,
+                options.rpcl_form,
             )
             self.record_loss(**{LOSS_KEYS[0]: rpcl})
             total = total + options.lambda_rpcl * rpcl

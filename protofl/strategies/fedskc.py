@@ -10,8 +10,9 @@ Client: round 1 (no global knowledge yet) trains with CE only; later rounds with
 cross-entropy of each sample's similarities to the C global knowledge vectors (its own class the
 one positive, classes without knowledge left out, temperature 0.08), similarity
 cos(l, c) / U(c) with U(c) the batch's mean distance to c (``similarity-norm = "none"``: plain
-cosine, as the code); ``lcl-warmup-rounds = 100`` scales LCL by min(r / 100, 1), as the code.
-Uploads: parameters, the C x C knowledge, the class counts.
+cosine, as the code); ``lcl-form = "code"``: the code's LCL, plain cosine, the positive counted twice
+in the denominator and a sample whose class has no knowledge its own positive; ``lcl-warmup-rounds = 100``
+scales LCL by min(r / 100, 1), as the code. Uploads: parameters, the C x C knowledge, the class counts.
 
 Server, each round:
 1. global knowledge (Eq. 1): per class, each holder's vector merged with its M = 1 nearest (L2)
@@ -19,12 +20,19 @@ Server, each round:
 2. GDA (Eq. 4): d_k = sum over k's classes of ||c_k^j - global^j||, parameters averaged with
    weights sigmoid(N_k - a_k d_k + b_k), normalised (``gda-mode = "paper"``: with raw sample counts
    every sigmoid is 1.0, i.e. uniform weights); ``"normalized"``: sigmoid(N_k / sum N - d_k / sum d);
-   ``"fedavg"`` (or ``use-gda = false``): weights N_k;
+   ``"fedavg"`` (or ``use-gda = false``): weights N_k (what the code uses: it computes GDA, then
+   overwrites it with FedAvg);
 3. GPR (Eq. 5): with rho = relative change of the summed per-class variance of the global knowledge
-   since the last round, w <- beta w + (1 - beta) rho (w_prev - w) (``gpr-form = "paper"``) or
-   w <- w + (1 - beta) rho (w_prev - w) (``"interp"``), on the trainable parameters only (BatchNorm
-   statistics are carried from step 2); skipped while there is no previous knowledge.
-Ablations (Table V): ``use-lcl``, ``use-gda``, ``use-gpr``.
+   since the last round (over the classes present in both rounds; ``gpr-classes = "each-round"``:
+   each sum over its own round's classes, as the code), w <- beta w + (1 - beta) rho (w_prev - w)
+   (``gpr-form = "paper"``; the code's form, with beta 0.99) or w <- w + (1 - beta) rho (w_prev - w)
+   (``"interp"``), on every floating state entry, BatchNorm running statistics too, as the code
+   (``gpr-entries = "trainable"``: the trainable parameters only, the statistics carried from step 2;
+   in eval mode a BatchNorm layer whose weights shrank but whose statistics did not is off by
+   (1 - beta) mu / sigma, and benchmarks/gpr_shrink.py measured more changed predictions that way);
+   skipped while there is no previous knowledge.
+Ablations (Table V): ``use-lcl``, ``use-gda``, ``use-gpr``. tests/test_conformance_fedskc.py checks
+the code's switches against numbers the authors' code computed.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ from protofl.task.train import PostOrLastEpochPass
 
 GLOBAL_KNOWLEDGE = "global-knowledge"  # ClassVectors, C x C, in the fit config only
 LCL_LOSS = "lcl-loss"
+LclForm = Literal["paper", "code"]
+# the classes whose knowledge variance GPR's rho sums: those present in both rounds, or each round's own
+VarianceClasses = Literal["both-rounds", "each-round"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,13 @@ class FedSKCOptions(MethodOptions):
     lcl_warmup_rounds: int = 0
     silu: bool = True
     neighbours: int = 1  # M
+    lcl_form: LclForm = "paper"
     gda_mode: Literal["paper", "normalized", "fedavg"] = "paper"
     gpr_form: Literal["paper", "interp"] = "paper"
     beta: float = 0.95
     gpr_clip: bool = False  # clip rho to [-1, 1] (not in the paper)
+    gpr_entries: Literal["all", "trainable"] = "all"
+    gpr_classes: VarianceClasses = "both-rounds"
     prototype_pass: PostOrLastEpochPass = "post-eval"
 
     def check(self) -> None:
@@ -113,28 +127,62 @@ def knowledge_variance(vectors: np.ndarray) -> float:
     return float(np.asarray(vectors, dtype=np.float64).var(axis=1).sum())
 
 
-def variance_ratio(current: ClassVectors, previous: ClassVectors) -> float | None:
+def variance_ratio(current: ClassVectors, previous: ClassVectors, classes: str = "both-rounds") -> float | None:
     """rho_r = (sum var_r - sum var_(r-1)) / sum var_(r-1) (Eq. 5), both sums over the classes
-    present in both rounds (a class that comes or goes would change a sum by itself); None when
-    the previous sum is 0."""
-    common = current.mask & previous.mask
-    before = knowledge_variance(previous.vectors[common])
-    return None if before <= 0 else (knowledge_variance(current.vectors[common]) - before) / before
+    present in both rounds (``both-rounds``: a class that comes or goes would change a sum by
+    itself) or each sum over its own round's classes (``each-round``, the code); None when the
+    previous sum is 0. (The code's unbiased variance gives the same ratio: every vector has C entries.)"""
+    if classes == "both-rounds":
+        now, before = current.vectors[current.mask & previous.mask], previous.vectors[current.mask & previous.mask]
+    elif classes == "each-round":
+        now, before = current.vectors[current.mask], previous.vectors[previous.mask]
+    else:
+        raise ValueError(f"gpr classes must be both-rounds or each-round, got {classes!r}")
+    before_sum = knowledge_variance(before)
+    return None if before_sum <= 0 else (knowledge_variance(now) - before_sum) / before_sum
 
 
 def period_review(
-    weights: list[np.ndarray], previous: list[np.ndarray], ratio: float, beta: float, form: str, trainable: list[bool]
+    weights: list[np.ndarray], previous: list[np.ndarray], ratio: float, beta: float, form: str, reviewed: list[bool]
 ) -> list[np.ndarray]:
-    """GPR (Eq. 5) on the ``trainable`` arrays: beta w + (1 - beta) rho (w_prev - w) (``paper``) or
-    w + (1 - beta) rho (w_prev - w) (``interp``); the others (BatchNorm statistics) unchanged."""
+    """GPR (Eq. 5) on the ``reviewed`` arrays: beta w + (1 - beta) rho (w_prev - w) (``paper``) or
+    w + (1 - beta) rho (w_prev - w) (``interp``); the others (e.g. BatchNorm statistics) unchanged."""
     keep = beta if form == "paper" else 1.0
-    reviewed = []
-    for w, w_prev, is_trainable in zip(weights, previous, trainable):
-        if is_trainable:
+    result = []
+    for w, w_prev, is_reviewed in zip(weights, previous, reviewed):
+        if is_reviewed:
             w64, prev64 = w.astype(np.float64), w_prev.astype(np.float64)
             w = (keep * w64 + (1.0 - beta) * ratio * (prev64 - w64)).astype(w.dtype)
-        reviewed.append(w)
-    return reviewed
+        result.append(w)
+    return result
+
+
+# --- client math ------------------------------------------------------------------------
+
+
+def lcl_loss(
+    logits: torch.Tensor, labels: torch.Tensor, knowledge: torch.Tensor, knowledge_classes: torch.Tensor,
+    temperature: float, similarity_norm: str = "mean-distance", form: str = "paper",
+) -> torch.Tensor:
+    """LCL (Eq. 2-3), the mean over the batch. ``paper``: cross-entropy of each sample's similarities
+    to the available classes' knowledge, its own class the one positive (samples of a class without
+    knowledge left out): :func:`multi_positive_infonce` with one key per class, ``similarity_norm``
+    its U.
+
+    ``code``: the released code's form, plain cosine whatever ``similarity_norm``: logits
+    [s(l, c^y), s(l, c^1), ..., s(l, c^M)] / tau with target 0, so the positive is counted twice in
+    the denominator; a sample whose class has no knowledge takes its own (detached) logits as the
+    positive, similarity 1.
+    """
+    if form == "paper":
+        return multi_positive_infonce(logits, labels, knowledge, knowledge_classes, temperature, similarity_norm)
+    if form != "code":
+        raise ValueError(f"lcl form must be paper or code, got {form!r}")
+    similarity = F.normalize(logits, dim=1) @ F.normalize(knowledge.to(logits.dtype), dim=1).T / temperature
+    positive = labels[:, None] == knowledge_classes[None, :]
+    own = torch.where(positive.any(dim=1), (similarity * positive).sum(dim=1),
+                      torch.full_like(similarity[:, 0], 1.0 / temperature))
+    return (torch.logsumexp(torch.cat([own[:, None], similarity], dim=1), dim=1) - own).mean()
 
 
 # --- server -----------------------------------------------------------------------------
@@ -151,7 +199,9 @@ class FedSKCStrategy(PrototypeStrategy):
         self.knowledge: ClassVectors | None = None  # the global knowledge of the last round
         self.global_weights = list(self.initial_weights)  # what the clients trained from this round
         parameters = {name for name, _ in self.model.named_parameters()}
-        self.trainable = [name in parameters for name in self.model.state_dict()]
+        state = self.model.state_dict()
+        every_float = self.options.gpr_entries == "all"  # BatchNorm statistics too (the code)
+        self.reviewed = [name in parameters or (every_float and state[name].is_floating_point()) for name in state]
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return self.knowledge.to_config(GLOBAL_KNOWLEDGE) if self.knowledge else {}
@@ -166,11 +216,11 @@ class FedSKCStrategy(PrototypeStrategy):
         aggregated = self.average_parameters(updates, weights)
         ratio, reviewed = None, ClassVectors(new_knowledge, new_mask)
         if self.options.use_gpr and self.knowledge is not None:
-            ratio = variance_ratio(reviewed, self.knowledge)
+            ratio = variance_ratio(reviewed, self.knowledge, self.options.gpr_classes)
             if ratio is not None:
                 ratio = float(np.clip(ratio, -1.0, 1.0)) if self.options.gpr_clip else ratio
                 aggregated = period_review(
-                    aggregated, self.global_weights, ratio, self.options.beta, self.options.gpr_form, self.trainable
+                    aggregated, self.global_weights, ratio, self.options.beta, self.options.gpr_form, self.reviewed
                 )
         self.knowledge = reviewed
         self.global_weights = aggregated
@@ -209,7 +259,7 @@ class FedSKCClient(PrototypeClient):
         if self.global_knowledge is None:
             return None  # round 1: CE only
         o = self.options
-        lcl = multi_positive_infonce(logits, labels, *self.global_knowledge, o.temperature, o.similarity_norm)  # Eq. 3
+        lcl = lcl_loss(logits, labels, *self.global_knowledge, o.temperature, o.similarity_norm, o.lcl_form)  # Eq. 3
         self.record_loss(**{LCL_LOSS: lcl})
         return self.lcl_weight * lcl
 
