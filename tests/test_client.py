@@ -197,6 +197,7 @@ def test_feature_sums_and_training_mode_prototypes():
     assert not np.allclose(during, after, atol=1e-3)  # features from before each step differ
 
 
+@pytest.mark.slow  # a tv-resnet18 epoch: ~13 s each
 @pytest.mark.parametrize("batchnorm_stats", ["auto", "running"])  # "running": the batch rule alone
 def test_a_batchnorm_client_uploads_class_means_of_the_size_of_its_training_features(batchnorm_stats):
     """Issue 23: a skewed client of 202 CIFAR-shaped images trains tv-resnet18 for one epoch at batch

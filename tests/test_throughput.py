@@ -5,6 +5,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from protofl.settings import ExperimentSettings
@@ -64,6 +66,7 @@ def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hol
     assert "| cnn | fp32 | off | NCHW | 10 |" in table and table.count("| 1.00x |") >= 2  # each reference
 
 
+@pytest.mark.slow  # two processes, each importing torch and measuring: ~25 s
 def test_processes_measure_at_once_and_the_table_sums_their_rates(tmp_path):
     code = throughput.main(["--run-config", "dataset='digits'", "--num-clients", "2", "--rounds", "1", "--device", "cpu",
                             "--threads", "1", "--processes", "2", "--out", str(tmp_path)])

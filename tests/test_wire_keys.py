@@ -2,6 +2,7 @@
 checked by its server. Each method runs two rounds in one process (no Ray) on digits."""
 
 import ast
+import functools
 import io
 from pathlib import Path
 
@@ -30,11 +31,15 @@ def runs(tmp_path_factory):
 
 def spelled_in(key: str) -> set[str]:
     """The protofl modules holding ``key`` as a string literal."""
-    return {
-        str(path.relative_to(ROOT))
-        for path in ROOT.rglob("*.py")
-        if any(isinstance(node, ast.Constant) and node.value == key for node in ast.walk(ast.parse(path.read_text())))
-    }
+    return {module for module, literals in string_literals().items() if key in literals}
+
+
+@functools.cache
+def string_literals() -> dict[str, set]:
+    """Each protofl module's string literals."""
+    return {str(path.relative_to(ROOT)): {node.value for node in ast.walk(ast.parse(path.read_text()))
+                                          if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+            for path in ROOT.rglob("*.py")}
 
 
 def test_no_method_module_spells_a_wire_key_that_another_module_spells(runs):
