@@ -230,9 +230,12 @@ MODELS = {
 }
 
 # The backbones whose training (float32, on a CPU) measured faster with channels-last image batches
-# than with NCHW ones, at their data sets' image sizes (benchmarks/throughput.py; docs/results/speed.md):
-# what channels-last="auto" puts in channels-last order. The others measured slower, or no faster.
-CHANNELS_LAST_FASTER = frozenset({"cnn"})
+# than with NCHW ones at Fashion-MNIST's and CIFAR's image sizes (1.02-1.33x; resnet10 0.92x at batch
+# 10 on CIFAR, 1.11x at its presets' 64), benchmarks/throughput.py, docs/results/speed.md: what
+# channels-last="auto" puts in channels-last order. The ImageNet-stem ResNets measured 1.3-1.9x
+# slower in it; the others are unmeasured and stay NCHW.
+CHANNELS_LAST_FASTER = frozenset({"cnn", "fednh-cnn", "resnet8-x4", "resnet10", "resnet18", "tv-googlenet",
+                                  "tv-mobilenetv2"})
 
 # FedSA's (and FedTGP's) model-heterogeneous settings: client i gets architecture i mod X.
 MODEL_FAMILIES = {
