@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -48,6 +49,26 @@ class Fixture:
 def seeded(seed: int) -> np.random.Generator:
     """The generator every fixture input is drawn from (numpy's PCG64, stable across versions)."""
     return np.random.default_rng(seed)
+
+
+def pixels(seed: int, n: int, shape: tuple[int, ...] = (1, 28, 28)) -> np.ndarray:
+    """n seeded images as uint8 pixels (fixtures store them so); :func:`pixels_to_input` feeds them."""
+    return seeded(seed).integers(0, 256, size=(n, *shape), dtype=np.uint8)
+
+
+def pixels_to_input(values: np.ndarray) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1] (the authors' ToTensor + Normalize(0.5, 0.5))."""
+    return torch.from_numpy((values.astype(np.float32) / 255.0 - 0.5) / 0.5)
+
+
+# PFLlib's FedAvgCNN, which FedProto's and FedSA's code build (base: conv1, conv2, fc1; head = its
+# fc) -> ours (protofl.task.models.cnn)
+PFLLIB_CNN_NAMES = {
+    "base.conv1.0.weight": "body.0.0.weight", "base.conv1.0.bias": "body.0.0.bias",
+    "base.conv2.0.weight": "body.0.3.weight", "base.conv2.0.bias": "body.0.3.bias",
+    "base.fc1.0.weight": "body.1.weight", "base.fc1.0.bias": "body.1.bias",
+    "head.weight": "head.weight", "head.bias": "head.bias",
+}
 
 
 def fingerprint(array, projections: int = 8) -> np.ndarray:

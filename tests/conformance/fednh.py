@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from conformance.common import Snapshot, fingerprint, save_fixture, seeded
+from conformance.common import Snapshot, fingerprint, pixels, pixels_to_input, save_fixture, seeded
 
 SNAPSHOTS = {"fednh": Snapshot("Yutong-Dai/FedNH", "60c3161412d576cddc8187af318cdc8a91a8709f")}
 
@@ -53,15 +53,6 @@ OUR_NAMES = {
     "linear2.weight": "body.3.weight", "linear2.bias": "body.3.bias",
 }
 
-
-def images(seed: int, n: int) -> np.ndarray:
-    """n seeded 3 x 32 x 32 images as uint8 pixels (stored so); :func:`pixels_to_input` feeds them."""
-    return seeded(seed).integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
-
-
-def pixels_to_input(pixels: np.ndarray) -> torch.Tensor:
-    """uint8 pixels -> float32 in [-1, 1] (mean 0.5, std 0.5)."""
-    return torch.from_numpy((pixels.astype(np.float32) / 255.0 - 0.5) / 0.5)
 
 
 # --- calling their code --------------------------------------------------------------------
@@ -174,9 +165,10 @@ def _fingerprints(state: dict, prefix: str) -> dict:
 
 def _round(FedNH, fix_scaling: bool) -> tuple[dict, dict]:
     config = _client_config(fix_scaling)
-    pixels = {k: images(seed, len(labels)) for seed, (k, labels) in enumerate(CLIENT_LABELS.items(), start=1)}
-    probe = images(9, len(PROBE_LABELS))
-    data = {k: _Images(pixels_to_input(pixels[k]), np.array(CLIENT_LABELS[k])) for k in CLIENT_LABELS}
+    client_pixels = {k: pixels(seed, len(labels), (3, 32, 32))
+                     for seed, (k, labels) in enumerate(CLIENT_LABELS.items(), start=1)}
+    probe = pixels(9, len(PROBE_LABELS), (3, 32, 32))
+    data = {k: _Images(pixels_to_input(client_pixels[k]), np.array(CLIENT_LABELS[k])) for k in CLIENT_LABELS}
     probe_set = _Images(pixels_to_input(probe), np.array(PROBE_LABELS))
     criterion = nn.CrossEntropyLoss()
     clients = {}
@@ -236,8 +228,8 @@ def _round(FedNH, fix_scaling: bool) -> tuple[dict, dict]:
         "global.probe_logits": gm_logits.numpy(),
         "global.accuracy": np.float64(scorer.test_acc_dict[ROUND]["acc_by_criteria"]["uniform"]),
     }
-    inputs = {"client_a.pixels": pixels["a"], "client_a.labels": np.array(CLIENT_LABELS["a"]),
-              "client_b.pixels": pixels["b"], "client_b.labels": np.array(CLIENT_LABELS["b"]),
+    inputs = {"client_a.pixels": client_pixels["a"], "client_a.labels": np.array(CLIENT_LABELS["a"]),
+              "client_b.pixels": client_pixels["b"], "client_b.labels": np.array(CLIENT_LABELS["b"]),
               "probe.pixels": probe, "probe.labels": np.array(PROBE_LABELS),
               "init_seed": np.int64(INIT_SEED), "round": np.int64(ROUND), "epochs": np.int64(EPOCHS),
               "lr": np.float64(CLIENT_LR), "lr_decay": np.float64(LR_DECAY), "momentum": np.float64(MOMENTUM),

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from conformance.common import Snapshot, fingerprint, save_fixture, seeded
+from conformance.common import PFLLIB_CNN_NAMES, Snapshot, fingerprint, pixels, pixels_to_input, save_fixture, seeded
 
 SNAPSHOTS = {"fedsa": Snapshot("lokinko/FedSA", "75bf1067fb96d759d9fa6e9d2c6f1b5bd53ee2a6")}
 
@@ -49,22 +49,7 @@ LR, EPOCHS = 0.01, 2
 ANCHOR_SCALE = 0.01
 TRAIN_LABELS = [0] * 5 + [2] * 4 + [3] * 3
 PROBE_LABELS = [0, 1, 2, 3, 4] * 2
-# their FedAvgCNN (base: conv1, conv2, fc1; head) -> ours (protofl.task.models.cnn)
-OUR_NAMES = {
-    "base.conv1.0.weight": "body.0.0.weight", "base.conv1.0.bias": "body.0.0.bias",
-    "base.conv2.0.weight": "body.0.3.weight", "base.conv2.0.bias": "body.0.3.bias",
-    "base.fc1.0.weight": "body.1.weight", "base.fc1.0.bias": "body.1.bias",
-    "head.weight": "head.weight", "head.bias": "head.bias",
-}
-
-
-def pixels(seed: int, n: int) -> np.ndarray:
-    return seeded(seed).integers(0, 256, size=(n, 1, 28, 28), dtype=np.uint8)
-
-
-def pixels_to_input(values: np.ndarray) -> torch.Tensor:
-    """uint8 pixels -> float32 in [-1, 1] (their ToTensor + Normalize(0.5, 0.5))."""
-    return torch.from_numpy((values.astype(np.float32) / 255.0 - 0.5) / 0.5)
+OUR_NAMES = PFLLIB_CNN_NAMES
 
 
 # --- calling their code --------------------------------------------------------------------
