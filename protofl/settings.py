@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
+import threading
 import tomllib
 import types
 import typing
@@ -90,11 +91,25 @@ def _conform(value: Any, annotation: Any) -> tuple[bool, Any]:
     raise TypeError(f"unsupported field type {annotation!r}")
 
 
+_type_hints: dict[type, dict[str, Any]] = {}
+_type_hints_lock = threading.Lock()
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, evaluated once per class under a lock: it compiles the string
+    annotations, and CPython 3.11's compiler fails on threads that compile at once ("AST constructor
+    recursion depth mismatch", seen with clients on Flower's thread pool)."""
+    with _type_hints_lock:
+        if cls not in _type_hints:
+            _type_hints[cls] = typing.get_type_hints(cls)
+        return _type_hints[cls]
+
+
 def parse_fields(cls: type, values: Mapping[str, Any], prefix: str = "", unknown: str = "key") -> dict[str, Any]:
     """``values`` checked against the dataclass ``cls``'s fields (key "a-b" for field ``a_b``, "b"
     for ``b_``): an unknown key, or a value not of its field's type, is a ``ValueError`` naming
     ``prefix + key``."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name.rstrip("_"): f.name for f in dataclasses.fields(cls)}  # lambda_: the key "lambda"
     parsed: dict[str, Any] = {}
     for key, value in values.items():

@@ -168,3 +168,19 @@ def test_the_split_follows_partition_seed_not_the_training_seed():
 def test_evaluation_protocols_that_cannot_hold_are_refused(values, message):
     with pytest.raises(ValueError, match=message):
         ExperimentSettings.from_run_config(values)
+
+
+def test_field_types_are_evaluated_once_per_class_not_on_every_clients_thread(monkeypatch):
+    """typing.get_type_hints compiles string annotations; CPython 3.11's compiler fails when the
+    clients of an in-process federation compile on several threads at once."""
+    import typing
+
+    from protofl import settings as settings_module
+
+    calls = []
+    real = typing.get_type_hints
+    monkeypatch.setattr(settings_module, "_type_hints", {})
+    monkeypatch.setattr(settings_module.typing, "get_type_hints", lambda cls: calls.append(cls) or real(cls))
+    for _ in range(3):
+        ExperimentSettings.from_run_config({"method": "fedproto", "lr": 0.1})
+    assert calls.count(ExperimentSettings) == 1
