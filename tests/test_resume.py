@@ -20,6 +20,7 @@ from flwr.app import RecordDict
 from flwr.common import ndarrays_to_parameters
 from inprocess import run_in_process
 from native import kill_trees, pids_with_argument
+from round_records import TIMING  # what an interrupted run and an uninterrupted one may differ in
 
 from protofl.federation.checkpoint import (
     CHECKPOINT,
@@ -36,9 +37,6 @@ from protofl.strategies.fedproto import FedProtoOptions
 from protofl.task import storage
 
 TESTS = Path(__file__).resolve().parent
-# what may differ between an interrupted run and one that was not: clocks, and the checkpoint's size
-# (its copy of the results says where the run resumed)
-TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 RUN = {"dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "fraction-fit": 0.5,
        "global-test-pm-per-class": 10}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from flwr.common.config import parse_config_args
 from inprocess import run_in_process
+from round_records import TIMING  # what two runs of the same config may differ in
 from test_deployment import deployment  # noqa: F401: the fixture of real Flower processes
 
 from protofl.report import RunRecorder
@@ -26,9 +27,6 @@ from protofl.tracking import (
 )
 
 TESTS = Path(__file__).resolve().parent
-# what two runs of the same config may differ in: clocks, and the checkpoint's size (its copy of the
-# results says where the run resumed)
-TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 RUN = {"dataset": "digits", "local-epochs": 1, "global-test-pm-per-class": 10}
 
 
