@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def flwr_executable() -> str:
 def run_with_flower(label: str, run_config: str, federation_config: str, out: Path) -> tuple[dict | None, float]:
     """One `flwr run` of this app; returns (results.json or None on failure, wall seconds)."""
     again = "" if "resume=" in run_config else " overwrite=true"  # a benchmark run again replaces its results
-    overrides = f"{run_config} output-dir='{out}' run-name='{label}'{again}".strip()
+    overrides = merged(f"{run_config} output-dir='{out}' run-name='{label}'{again}")
     command = [flwr_executable(), "run", str(ROOT), "--stream", "--run-config", overrides]
     if federation_config:
         command += ["--federation-config", federation_config]
@@ -78,6 +79,13 @@ def run_with_flower(label: str, run_config: str, federation_config: str, out: Pa
         print(f"=== {label} failed: {len(results['rounds'])} rounds in {results_path}", flush=True)
         return None, wall
     return results, wall
+
+
+def merged(overrides: str) -> str:
+    """``key=value ...`` with each key once, at its last value: a preset's `method` and the run's are both
+    in one string, and Flower refuses a run config that names a key twice."""
+    pairs = dict(re.findall(r"""([^\s=]+)=('[^']*'|"[^"]*"|\S+)""", overrides))
+    return " ".join(f"{key}={value}" for key, value in pairs.items())
 
 
 def finished(results: dict) -> bool:

@@ -2,6 +2,7 @@
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,3 +73,28 @@ def test_sweep_labels_every_run_once_per_value():
         "fedavg_lr=0.05_fedavg.weighted=true", "fedavg_lr=0.05_fedavg.weighted=false",
     ]
     assert runs[1][1] == "method='fedavg' lr=0.01 fedavg.weighted=false"
+
+
+def test_a_preset_key_given_again_is_one_override_the_later_value_wins(tmp_path, monkeypatch):
+    """The preset sets `method`, `lr` and `run-name`; `--run-config`, `--methods`, `--variant` and the runner
+    set them again. Flower refuses a run config that names a key twice: each run gets one value, the later."""
+    from flwr.common.config import parse_config_args
+
+    compare, sent = load_compare(), []
+
+    def flwr_run(command, **_):
+        sent.append(command[command.index("--run-config") + 1])
+        return SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(compare.subprocess, "run", flwr_run)
+    preset = tmp_path / "preset.toml"
+    preset.write_text("method = \"fedavg\"\nlr = 0.05\nrun-name = \"x\"\nnote = \"two words\"\n")
+    compare.main(["--preset", str(preset), "--run-config", "lr=0.1", "--methods", "fedskc",
+                  "--variant", "fedsc-code=method='fedsc' fedsc.rpcl-form='code'", "--seeds", "1", "--out", str(tmp_path)])
+    configs = [parse_config_args([config]) for config in sent]
+    assert configs == [
+        {"method": "fedskc", "lr": 0.1, "note": "two words", "run-name": "seed-1", "seed": 1, "output-dir": str(tmp_path / "fedskc"),
+         "overwrite": True},
+        {"method": "fedsc", "lr": 0.1, "note": "two words", "run-name": "seed-1", "fedsc.rpcl-form": "code", "seed": 1,
+         "output-dir": str(tmp_path / "fedsc-code"), "overwrite": True},
+    ]
