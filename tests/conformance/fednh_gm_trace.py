@@ -179,11 +179,11 @@ def run_theirs(checkout: Path, seed: int) -> dict[str, list[float]]:
 
 
 def _settings(seed: int):
-    from protofl.settings import ExperimentSettings
+    """RUN's settings, as the app reads them (the run config's defaults under RUN)."""
+    from protofl.settings import ExperimentSettings, default_run_config
 
-    return ExperimentSettings(dataset="fmnist", data_fraction=0.15, partition="pathological-pfllib",
-                              classes_per_client=2, num_server_rounds=12, local_epochs=1, method="fednh", seed=seed,
-                              amp="off", channels_last=False, num_partitions=NODES)
+    defaults = default_run_config(TESTS.parent / "pyproject.toml")
+    return ExperimentSettings.from_run_config(defaults | RUN | {"seed": seed, "num-partitions": NODES})
 
 
 def main() -> None:
