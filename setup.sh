@@ -6,7 +6,18 @@ cd "$(dirname "$0")"
 PYTHON=${1:-python3}
 root=$PWD
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# The virtual environment lives outside the checkout, as Poetry's do, and .venv links to it: to
+# build the app bundle, `flwr run .` walks every file under the project directory (links excepted),
+# and a venv's 70,000 files there cost each run about 10 s on 2 cores (docs/results/main-job.md).
+# PROTOFL_VENV chooses another place; a .venv/ directory made earlier is used as it is.
+if [ ! -d .venv ]; then  # absent, or a link whose venv is gone
+  venv=${PROTOFL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/protofl/venvs/$(basename "$root")-$(printf %s "$root" | cksum | cut -d" " -f1)}
+  "$PYTHON" -m venv "$venv"
+  ln -sfn "$venv" .venv
+elif [ ! -L .venv ]; then
+  echo "setup.sh: .venv/ is inside the checkout, where every 'flwr run .' walks it (about 10 s a run on 2 cores);" \
+       "'rm -rf .venv && ./setup.sh' moves it out." >&2
+fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
 

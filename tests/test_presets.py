@@ -55,12 +55,12 @@ def data_dirs(tmp_path_factory):
     """Generated files in each data set's real on-disk format (random pixels, every class present)."""
     root = tmp_path_factory.mktemp("preset-data")
     (root / "cifar10").mkdir()
-    write_cifar(root / "cifar10", 10, [2000] * 5, 300)
+    write_cifar(root / "cifar10", 10, [600] * 5, 300)
     (root / "cifar100").mkdir()
-    write_cifar(root / "cifar100", 100, [10000], 300)
+    write_cifar(root / "cifar100", 100, [3000], 300)
     rng = np.random.default_rng(0)
     (root / "fmnist").mkdir()
-    for prefix, n in (("train", 6000), ("t10k", 300)):
+    for prefix, n in (("train", 3000), ("t10k", 300)):
         write_idx(root / "fmnist" / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)), compress=False)
         write_idx(root / "fmnist" / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
     return root
@@ -72,13 +72,13 @@ def test_preset_runs_a_round(path, data_dirs, tmp_path):
     from inprocess import run_in_process
 
     preset = DEFAULTS | parse_config_args([str(path)])
-    # at most 10 clients: the generated files hold about 10,000 images, not CIFAR's 60,000 (PFLlib's
+    # at most 10 clients: the generated files hold 3,300 images, not CIFAR's 60,000 (PFLlib's
     # split would find no draw giving 100 clients 40 samples each), and a round stays short
     clients = min(int(federation(path)["num-supernodes"]), 10)
     preset |= {"data-dir": str(data_dirs / preset["dataset"]), "num-server-rounds": 1, "local-epochs": 1,
                "model": FAST_MODEL.get(preset["model"], preset["model"]), "output-dir": str(tmp_path),
                "run-name": path.stem, "min-fit-clients": min(preset["min-fit-clients"], clients),
-               "data-fraction": 1.0}  # the generated set is a tenth of the real one: no further cut
+               "data-fraction": 1.0}  # the generated set is small already: no further cut
     strategy, messages = run_in_process(preset, num_nodes=clients)
     record = strategy.recorder.rounds[1]
     assert not record.get("dropped"), record["dropped"]
