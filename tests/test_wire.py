@@ -1,5 +1,8 @@
+import ast
 import io
 import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from protofl.federation.wire import (
     decode_array,
     encode_array,
 )
+from protofl.task.storage import arrays_from_bytes, arrays_to_bytes
 
 SPEC = ArraySpec((3, 4), ("float32",))
 CAP = 1 << 20
@@ -197,3 +201,35 @@ def test_class_counts_must_be_the_partitions_own_where_the_server_knows_them():
     ClassStatistics.from_metrics(metrics, 3, 2, 3, 10**6, expected_counts=np.array([2, 1, 0]))
     with pytest.raises(PayloadError, match="differ from the partition's own"):
         ClassStatistics.from_metrics(metrics, 3, 2, 3, 10**6, expected_counts=np.array([1, 2, 0]))
+
+
+def test_arrays_are_decoded_one_header_at_a_time_across_threads(monkeypatch):
+    """numpy parses a .npy header with ast.literal_eval, and CPython 3.11 keeps the AST
+    constructor's recursion depth per interpreter, set from the calling thread's stack: two threads
+    parsing at once (clients on threads, tests/inprocess.py) raised "SystemError: AST constructor
+    recursion depth mismatch" in CI. Every decoder parses under one lock: never two parses at once."""
+    inside, most = [0], [0]
+    parse = ast.parse
+
+    def slow_parse(*args, **kwargs):  # holds the parse open long enough for another thread to enter
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.002)
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+    array = np.ones((3, 4), np.float32)
+    blob, archive = encode_array(array), arrays_to_bytes({"a": array, "b": array})
+
+    def decode_both():
+        for _ in range(5):
+            assert (decode_array(blob, SPEC, CAP) == array).all()
+            assert arrays_from_bytes(archive).keys() == {"a", "b"}
+
+    with ThreadPoolExecutor(4) as pool:
+        for future in [pool.submit(decode_both) for _ in range(4)]:
+            future.result()
+    assert most == [1]

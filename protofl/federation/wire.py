@@ -26,6 +26,7 @@ from flwr.common import Code, EvaluateRes, FitRes, Parameters, Scalar, Status
 
 from protofl.settings import is_int, is_number
 from protofl.task.privacy import privatize_class_means
+from protofl.task.storage import NUMPY_HEADER_LOCK
 
 ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "bool"})
 NPY_MAGIC = b"\x93NUMPY"
@@ -113,7 +114,8 @@ def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
     try:
         major, _ = np.lib.format.read_magic(stream)
         read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        shape, _, dtype = read_header(stream)
+        with NUMPY_HEADER_LOCK:
+            shape, _, dtype = read_header(stream)
     except (ValueError, OSError, EOFError, SyntaxError) as err:
         raise PayloadError(f"unreadable array header ({err})") from None
     if dtype.name not in spec.dtypes:
@@ -123,7 +125,8 @@ def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
     if len(blob) - stream.tell() != math.prod(shape) * dtype.itemsize:
         raise PayloadError(f"data size does not match the header's shape {shape}")
     try:
-        array = np.load(io.BytesIO(blob), allow_pickle=False)
+        with NUMPY_HEADER_LOCK:
+            array = np.load(io.BytesIO(blob), allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
         raise PayloadError(f"unreadable array ({err})") from None
     if not array.dtype.isnative:  # e.g. big-endian float32 from another host: same values, native order

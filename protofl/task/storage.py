@@ -5,10 +5,17 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11's AST constructor is not
+# thread-safe (its recursion depth is per interpreter, set from the calling thread's stack): two
+# threads parsing at once raise "SystemError: AST constructor recursion depth mismatch". Every
+# reader of .npy/.npz bytes holds this lock while numpy parses.
+NUMPY_HEADER_LOCK = threading.Lock()
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -49,5 +56,5 @@ def arrays_to_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
 
 def arrays_from_bytes(data: bytes) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` blob, read without pickle (an object array is a ``ValueError``)."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+    with NUMPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as arrays:
         return {name: arrays[name] for name in arrays.files}

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from protofl.task.data.clients import ClientData
-from protofl.task.storage import arrays_to_bytes, atomic_write
+from protofl.task.storage import NUMPY_HEADER_LOCK, arrays_to_bytes, atomic_write
 
 LOGGER = logging.getLogger(__name__)  # the standard library's: protofl.task imports no Flower
 
@@ -39,10 +39,11 @@ NODE_CACHE_STALE_SECONDS = 3600
 def _checked_node_cache(path: Path, partition_id: int, num_classes: int) -> dict[str, np.ndarray]:
     """The arrays of a node cache file, read as untrusted input; a ``ValueError`` says what is wrong
     (reading may raise other errors too: a truncated or foreign file)."""
-    stored = np.load(path, allow_pickle=False)
+    with NUMPY_HEADER_LOCK:
+        stored = np.load(path, allow_pickle=False)
     if not isinstance(stored, np.lib.npyio.NpzFile):
         raise ValueError("not an .npz archive")
-    with stored:
+    with NUMPY_HEADER_LOCK, stored:
         if sorted(stored.files) != sorted([*NODE_CACHE_ARRAYS, "partition_id", "num_classes"]):
             raise ValueError(f"arrays {sorted(stored.files)}")
         arrays = {name: stored[name] for name in stored.files}  # an object array is a ValueError
