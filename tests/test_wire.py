@@ -207,7 +207,7 @@ def test_arrays_are_decoded_one_header_at_a_time_across_threads(monkeypatch):
     """numpy parses a .npy header with ast.literal_eval, and CPython 3.11 keeps the AST
     constructor's recursion depth per interpreter, set from the calling thread's stack: two threads
     parsing at once (clients on threads, tests/inprocess.py) raised "SystemError: AST constructor
-    recursion depth mismatch" in CI. Every decoder parses under one lock: never two parses at once."""
+    recursion depth mismatch" in a `.ci/run`. Every decoder parses under one lock: never two at once."""
     inside, most = [0], [0]
     parse = ast.parse
 
