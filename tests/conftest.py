@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # deploy/native.py (the compose topology as local processes) is shared by tests and benchmarks.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
@@ -14,3 +15,18 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 @pytest.fixture(autouse=True)
 def _flower_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FLWR_HOME", str(tmp_path_factory.mktemp("flwr-home")))
+
+
+@pytest.fixture(autouse=True)
+def _float64_in_conformance_tests(request):
+    """The conformance tests compare protofl with fixtures the authors' code computed in float64
+    (tests/conformance/common.py): torch's default dtype is float64 while one runs."""
+    if request.node.get_closest_marker("conformance") is None:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

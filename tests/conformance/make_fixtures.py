@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, so that `conformance` imports
 
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     rerun = f"python tests/conformance/make_fixtures.py {args.method} " + " ".join(
         f"--checkout {name}=<{s.repository} at {s.commit}>" for name, s in snapshots.items()
     )
+    torch.set_default_dtype(torch.float64)  # their code computes in float64: the math, not a CPU's rounding
     for path in module.make(checkouts, rerun):
         print(path)
 
