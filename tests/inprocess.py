@@ -2,6 +2,7 @@
 client per message and a persistent ``context.state`` per node, as Flower runs them; every
 message is kept for inspection."""
 
+import torch
 from flwr.app import RecordDict
 from flwr.common import Context
 from flwr.server.client_proxy import ClientProxy
@@ -39,6 +40,18 @@ class InProcessProxy(ClientProxy):
 def run_in_process(run_config, num_nodes=3, node_class=None):
     """(the strategy after the run, [(kind, instruction, reply), ...] of every message).
     ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client)."""
+    threads = torch.get_num_threads()
+    # one torch thread per client, as a Ray simulation gives each (client-resources-num-cpus=1): the
+    # clients train at once on Flower's thread pool, and each calling thread with more than one
+    # runs its own OpenMP team; on 2 cores three clients x 2 threads ran 1.7-1.8x slower
+    torch.set_num_threads(1)
+    try:
+        return _run(run_config, num_nodes, node_class)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(run_config, num_nodes, node_class):
     empty = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     components = make_server_fn(run_config)(empty)
     server, messages = components.server, []  # clients on Flower's thread pool, as in a real run
