@@ -4,6 +4,8 @@ import gzip
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -100,6 +102,19 @@ def test_digits_is_embedded_and_split_once():
     assert dataset.train.images.shape[1:] == (1, 16, 16)
     assert len(dataset.train) + len(dataset.test) == 1797
     assert np.bincount(dataset.test.labels).min() >= 30  # stratified 20 % of every digit
+
+
+@pytest.mark.slow
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The pixels and labels of ``sklearn.datasets.load_digits``, from its file (a fresh process:
+    importing scikit-learn costs seconds, and nothing of it is imported)."""
+    code = ("import sys; from protofl.task.data.digits import digits_pixels; images, labels = digits_pixels(); "
+            "assert 'sklearn' not in sys.modules, 'sklearn imported'; "
+            "from sklearn.datasets import load_digits; bunch = load_digits(); "
+            "assert images.dtype == bunch.images.dtype and (images == bunch.images).all(); "
+            "assert labels.dtype == 'int64' and (labels == bunch.target).all()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_unknown_dataset_and_missing_dir_are_clear_errors(tmp_path):
