@@ -8,6 +8,8 @@ import torch
 # deploy/native.py (the compose topology as local processes) is shared by tests and benchmarks.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 
+pytest_plugins = ["time_budget"]  # --time-budget SECONDS (CI's check of the fast suite)
+
 # Flower must not build a fresh venv per run (it would download CUDA torch), nor touch ~/.flwr.
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
