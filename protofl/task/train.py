@@ -313,8 +313,9 @@ class FeatureSums:
         self.counts += torch.bincount(labels, minlength=len(self.counts))
 
     def means(self) -> np.ndarray:
-        """C x d float32 mean features; zero rows for classes never seen."""
-        return (self.sums / self.counts.clamp(min=1).unsqueeze(1)).cpu().numpy()
+        """C x d float32 mean features (the wire's dtype, whatever the sums'); zero rows for classes
+        never seen."""
+        return (self.sums / self.counts.clamp(min=1).unsqueeze(1)).float().cpu().numpy()
 
     def means_filled(self, held: np.ndarray, fallback: Callable[[], np.ndarray]) -> np.ndarray:
         """:meth:`means`, with the rows of ``held`` classes never seen (all their samples in skipped

@@ -2,25 +2,35 @@
 that FedSA's and FedCoSR's papers compare with) and the original authors' (yuetan031/FedProto,
 ``lib/``).
 
+Their code computes in float64 (``make_fixtures.py`` sets torch's default dtype; nothing on the
+paths called here casts back to float32): every float output is float64. What would cross
+protofl's float32 wire into a client's training is given to both sides as the same float32 values,
+fed to their code as float64 tensors: the two other clients' uploaded prototypes (float32 draws,
+``input.client_*.prototypes``) and the global prototypes of PFLlib's ``proto_aggregation``, rounded
+to float32 as our server broadcasts them (:func:`over_our_wire`) before their clients train with
+them (stored unrounded as ``output.global.prototypes``; rounded as the original code's
+``input.global.prototypes``). That rounding is the one change to their inputs besides the
+adaptations below.
+
 - ``fedproto-pfllib-rounds``: ``clients/clientproto.py: clientProto.train`` twice on PFLlib's
   FedProto model (``FedAvgCNN(in_features=1, dim=1024)`` with its ``fc`` as the head, as its
   ``main.py`` builds it, after ``torch.manual_seed(0)``): round 1 without global prototypes (CE
   only), round 2 with global prototypes from ``servers/serverproto.py: proto_aggregation`` of two
   other clients' seeded prototypes (classes 0, 2, 4 and 0, 1: none for class 3, whose samples here
-  get no prototype loss, as after a round this client sat out); 12 seeded images of
-  three classes as one full batch (their loader shuffles: one batch makes the order irrelevant),
-  two epochs, lr 0.01, lambda 1; then ``clientProto.test_metrics`` (nearest global prototype) on a
-  probe set. The client is made with ``__new__`` (its constructor loads a dataset); the data
-  loaders return the seeded images.
+  get no prototype loss, as after a round this client sat out), rounded to float32 before
+  ``set_protos``; 12 seeded images of three classes as one full batch (their loader shuffles: one
+  batch makes the order irrelevant), two epochs, lr 0.01, lambda 1; then
+  ``clientProto.test_metrics`` (nearest global prototype) on a probe set. The client is made with
+  ``__new__`` (its constructor loads a dataset); the data loaders return the seeded images.
 - ``fedproto-original-round``: ``lib/update.py: LocalUpdate.update_weights_het`` (CE as NLL of
   log-softmax + ld * MSE(feature, global prototype of its class), SGD with momentum 0.5,
   prototypes of the training-mode features of every batch), ``lib/utils.py: agg_func`` and
   ``proto_aggregation`` (unweighted over clients). Their models (CNNMnist, ...) train with
   dropout, whose draws nobody can match, so the model is a dropout-free module of ours with the
   FedAvgCNN layers, returning (log-softmax, feature) as their models do; it is the only adapter.
-  Same images and global prototypes as above, momentum 0.5, ld 1; then
+  Same images and (float32-rounded) global prototypes as above, momentum 0.5, ld 1; then
   ``test_inference_new_het_lt`` (nearest global prototype among the client's own classes) on the
-  probe set, and ``proto_aggregation`` of this client's new prototypes and the two others'.
+  probe set, and ``proto_aggregation`` of this client's new (float64) prototypes and the two others'.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import copy
 import importlib.util
 import sys
 import types
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,7 +64,8 @@ OUR_NAMES = PFLLIB_CNN_NAMES
 
 
 def other_client_prototypes(seed: int, classes: tuple[int, ...]) -> np.ndarray:
-    """Another client's prototypes (rows of ``classes``; others zero), 512-d, >= 0."""
+    """Another client's prototypes (rows of ``classes``; others zero), 512-d, >= 0, float32 (as our
+    wire carries an upload)."""
     prototypes = np.zeros((NUM_CLASSES, 512), np.float32)
     prototypes[list(classes)] = np.maximum(seeded(seed).standard_normal((len(classes), 512)), 0) * 0.3
     return prototypes
@@ -70,17 +82,27 @@ def _inputs() -> dict:
 
 
 def _as_matrix(protos: dict) -> tuple[np.ndarray, np.ndarray]:
-    matrix, mask = np.zeros((NUM_CLASSES, 512), np.float32), np.zeros(NUM_CLASSES, bool)
+    matrix, mask = np.zeros((NUM_CLASSES, 512), np.float64), np.zeros(NUM_CLASSES, bool)
     for c, p in protos.items():
         if not isinstance(p, list):
             matrix[c], mask[c] = p.detach().numpy(), True
     return matrix, mask
 
 
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """An array for their code: in torch's default dtype (float64)."""
+    return torch.from_numpy(values).to(torch.get_default_dtype())
+
+
 def _others(inputs: dict) -> list[dict]:
     """The other clients' uploads as their code holds them: {class: prototype}."""
-    return [{c: torch.from_numpy(inputs[f"client_{k}.prototypes"][c]) for c in classes}
+    return [{c: _tensor(inputs[f"client_{k}.prototypes"][c]) for c in classes}
             for k, classes in OTHER_CLIENTS.items()]
+
+
+def over_our_wire(prototypes: np.ndarray) -> np.ndarray:
+    """Global prototypes as our server broadcasts them: rounded to float32."""
+    return prototypes.astype(np.float32)
 
 
 def _fingerprints(model: nn.Module, prefix: str) -> dict:
@@ -128,8 +150,11 @@ def _pfllib(checkout: Path) -> tuple[dict, dict]:
             f"round{server_round}.features": features.numpy(), f"round{server_round}.logits": logits.numpy()}
         if server_round == 1:
             global_protos = serverproto.proto_aggregation(_others(inputs))
-            client.set_protos(global_protos)
             outputs["global.prototypes"], outputs["global.mask"] = _as_matrix(global_protos)
+            sent = over_our_wire(outputs["global.prototypes"])
+            held = np.flatnonzero(outputs["global.mask"])
+            # a defaultdict(list) as theirs: a class without a prototype reads as []
+            client.set_protos(defaultdict(list, {int(c): _tensor(sent[c]) for c in held}))
     correct, tested, _ = client.test_metrics()
     outputs |= {"probe.correct": np.int64(correct), "probe.tested": np.int64(tested)}
     return inputs, outputs
@@ -183,7 +208,7 @@ def _original(checkout: Path, global_prototypes: np.ndarray, global_mask: np.nda
     torch.manual_seed(0)
     model = _FedAvgCNNLogSoftmax()
     outputs = {f"initial.{ours}": fingerprint(model.state_dict()[theirs].numpy()) for theirs, ours in ADAPTER_NAMES.items()}
-    given = {int(c): [torch.from_numpy(global_prototypes[c])] for c in np.flatnonzero(global_mask)}
+    given = {int(c): [_tensor(global_prototypes[c])] for c in np.flatnonzero(global_mask)}
     state, losses, _, collected = local.update_weights_het(args, 0, given, model, global_round=1)
     prototypes = utils.agg_func(collected)
     outputs |= {f"trained.{ours}": fingerprint(state[theirs].numpy()) for theirs, ours in ADAPTER_NAMES.items()}
@@ -215,12 +240,15 @@ def make(checkouts: dict[str, Path], rerun: str) -> list[Path]:
         "fedproto-pfllib-rounds", SNAPSHOTS["pfllib"],
         "system/flcore/clients/clientproto.py: clientProto.train (two rounds), set_protos, test_metrics on a "
         "clientProto made with __new__ (data loaders return seeded images); servers/serverproto.py: "
-        "proto_aggregation; model FedAvgCNN(in_features=1, dim=1024) with fc as the head after torch.manual_seed(0)",
+        "proto_aggregation; model FedAvgCNN(in_features=1, dim=1024) with fc as the head after torch.manual_seed(0); "
+        "in float64, the round-2 global prototypes rounded to float32 (our wire) before set_protos",
         rerun, inputs, outputs)]
-    inputs, outputs = _original(checkouts["original"], outputs["global.prototypes"], outputs["global.mask"])
+    sent = over_our_wire(outputs["global.prototypes"])
+    inputs, outputs = _original(checkouts["original"], sent, outputs["global.mask"])
     paths.append(save_fixture(
         "fedproto-original-round", SNAPSHOTS["original"],
         "lib/update.py: LocalUpdate(...).update_weights_het (one round, the model a dropout-free FedAvgCNN of ours "
-        "returning (log-softmax, feature)); lib/utils.py: agg_func, proto_aggregation",
+        "returning (log-softmax, feature)); lib/utils.py: agg_func, proto_aggregation; in float64, the global "
+        "prototypes PFLlib's rounded to float32 (our wire)",
         rerun, inputs, outputs))
     return paths
