@@ -21,6 +21,13 @@ Adapted, not changed: their ``Local`` and ``Global`` build a CIFAR ResNet and cr
 the fixtures swap in :func:`~conformance.fedsc_fedskc_common.small_model` (Linear, BatchNorm, ReLU,
 Linear) and the identity transform, and train on one full batch per epoch, so their DataLoader's
 shuffle only reorders sums. Their ``args_parser()`` reads ``sys.argv``, which ``make`` sets.
+
+Dtypes: their code runs in float64, and nothing on its path casts to float32. The class vectors
+that cross protofl's wire (the clients' knowledge to the server, the global knowledge back) are
+float32 values, stored so and handed to their code as float64 tensors. The clients' knowledge is
+moreover on a grid of 2^-12 (:func:`_on_a_grid`): their pairwise means (the neighbour merge) and
+sums are then float32 numbers too, so protofl's server, which merges and sums in float32, rounds
+only where it divides by the number of holders.
 """
 
 from __future__ import annotations
@@ -37,11 +44,14 @@ from conformance.fedsc_fedskc_common import (
     IDENTITY_TRANSFORMS,
     IN_DIM,
     authors_script,
+    on_the_wire,
     perturbed_states,
     small_model,
     stacked_states,
     state_arrays,
     state_from_arrays,
+    their_array,
+    their_tensor,
 )
 
 SNAPSHOTS = {"fedskc": Snapshot("hwang52/FedSKC", "002e4361e994274b769be09902f404290b9145c0")}
@@ -49,6 +59,7 @@ NUM_CLASSES = 5
 TAU = 0.08
 LOCAL_ROUND = 40  # their LCL weight min(round / 100, 1) = 0.4
 LOCAL_EPOCHS, LOCAL_LR = 3, 0.1
+GRID = 2.0**-12  # the clients' knowledge: multiples of it, |x| < 2^4 (16 bits of float32's 24)
 
 
 def _argv(batch_size: int = 64) -> list[str]:
@@ -58,22 +69,29 @@ def _argv(batch_size: int = 64) -> list[str]:
 
 
 def _knowledge_dict(vectors: np.ndarray, mask: np.ndarray) -> dict[int, torch.Tensor]:
-    return {int(c): torch.from_numpy(vectors[c].copy()) for c in np.flatnonzero(mask)}
+    return {int(c): their_tensor(vectors[c]) for c in np.flatnonzero(mask)}
 
 
 def _from_dict(knowledge: dict[int, torch.Tensor], dim: int) -> tuple[np.ndarray, np.ndarray]:
-    vectors, mask = np.zeros((NUM_CLASSES, dim), np.float32), np.zeros(NUM_CLASSES, bool)
+    vectors, mask = np.zeros((NUM_CLASSES, dim), np.float64), np.zeros(NUM_CLASSES, bool)
     for c, v in knowledge.items():
-        vectors[c], mask[c] = v.detach().numpy(), True
+        vectors[c], mask[c] = their_array(v), True
     return vectors, mask
+
+
+def _on_a_grid(values: np.ndarray) -> np.ndarray:
+    """``values`` (|x| < 2^4) rounded to multiples of :data:`GRID`, as float32: exact, and so are the
+    means of two and the sums of up to 2^7 of them (at most 16 + 1 + 7 bits)."""
+    assert np.abs(values).max() < 16
+    return on_the_wire(np.round(values / GRID) * GRID)
 
 
 def lcl(m, rng) -> tuple[dict, dict]:
     batch = 16
-    logits = (3 * rng.standard_normal((batch, NUM_CLASSES))).astype(np.float32)
+    logits = 3 * rng.standard_normal((batch, NUM_CLASSES))  # the client's own logits: float64
     labels = rng.integers(0, NUM_CLASSES, batch)
     labels[:3] = NUM_CLASSES - 1  # class 4 has no global knowledge: their fallback positive
-    knowledge = rng.standard_normal((NUM_CLASSES, NUM_CLASSES)).astype(np.float32)
+    knowledge = on_the_wire(rng.standard_normal((NUM_CLASSES, NUM_CLASSES)))  # from the server: float32
     mask = np.arange(NUM_CLASSES) != NUM_CLASSES - 1
     global_kn = _knowledge_dict(knowledge, mask)
     outputs = torch.from_numpy(logits).requires_grad_(True)
@@ -89,23 +107,24 @@ def lcl(m, rng) -> tuple[dict, dict]:
     loss = m.InfoNCE_LCL(tau=TAU).infonce_lcl_loss(outputs, torch.stack(pos_key), torch.stack(neg_keys))
     loss.backward()
     inputs = {"logits": logits, "labels": labels, "knowledge": knowledge, "mask": mask, "temperature": np.float64(TAU)}
-    return inputs, {"loss": loss.detach().numpy(), "gradient": outputs.grad.numpy()}
+    return inputs, {"loss": their_array(loss), "gradient": their_array(outputs.grad)}
 
 
 def knowledge(util_func, rng) -> tuple[dict, dict]:
-    vectors = rng.standard_normal((20, NUM_CLASSES)).astype(np.float32)
+    vectors = rng.standard_normal((20, NUM_CLASSES))  # the client's logits: float64
     labels = rng.integers(0, NUM_CLASSES - 1, 20)  # class 4 absent
     labels[0] = 2
     by_label: dict[int, list[torch.Tensor]] = {}
     for v, y in zip(vectors, labels):
-        by_label.setdefault(int(y), []).append(torch.from_numpy(v.copy()))
+        by_label.setdefault(int(y), []).append(their_tensor(v))
     means, mask = _from_dict(util_func.average_kns(by_label), NUM_CLASSES)
     return {"vectors": vectors, "labels": labels}, {"means": means, "mask": mask}
 
 
 def _client_knowledge(rng, clients: int) -> tuple[np.ndarray, np.ndarray]:
-    """K x C x C knowledge and K x C held: class 3 held by client 1 alone, class 4 by nobody."""
-    vectors = (2 * rng.standard_normal((clients, NUM_CLASSES, NUM_CLASSES))).astype(np.float32)
+    """K x C x C knowledge (as it reaches the server: float32, on the grid) and K x C held: class 3
+    held by client 1 alone, class 4 by nobody."""
+    vectors = _on_a_grid(2 * rng.standard_normal((clients, NUM_CLASSES, NUM_CLASSES)))
     held = np.ones((clients, NUM_CLASSES), bool)
     held[:, 3] = False
     held[1, 3] = True
@@ -146,8 +165,8 @@ def aggregation(server, rng) -> tuple[dict, dict]:
 def gpr(server, rng) -> tuple[dict, dict]:
     current, previous = perturbed_states(rng, 2, NUM_CLASSES)
     floats = [name for name in current if current[name].dtype.kind == "f"]
-    knowledge_now = rng.standard_normal((NUM_CLASSES, NUM_CLASSES)).astype(np.float32)
-    knowledge_before = (0.8 * rng.standard_normal((NUM_CLASSES, NUM_CLASSES))).astype(np.float32)
+    knowledge_now = on_the_wire(rng.standard_normal((NUM_CLASSES, NUM_CLASSES)))  # the server's: float32
+    knowledge_before = on_the_wire(0.8 * rng.standard_normal((NUM_CLASSES, NUM_CLASSES)))
     everything = np.ones(NUM_CLASSES, bool)
     class_gone = np.arange(NUM_CLASSES) != 2  # class 2 held by nobody this round
     outputs = {}
@@ -164,7 +183,7 @@ def gpr(server, rng) -> tuple[dict, dict]:
 
 
 def _local_data(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
-    x = rng.standard_normal((n, IN_DIM)).astype(np.float32)
+    x = rng.standard_normal((n, IN_DIM))  # the client's own data: float64
     y = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 4, 4, 4, 4, 4][:n])  # class 3 absent, 4 without knowledge
     return x, y
 
@@ -174,7 +193,7 @@ def local_round(m, rng) -> tuple[dict, dict]:
     m.ResNet_cifar = lambda **kwargs: small_model(NUM_CLASSES)
     x, y = _local_data(rng, 18)
     start = state_arrays(small_model(NUM_CLASSES).state_dict())
-    knowledge = (2 * rng.standard_normal((NUM_CLASSES, NUM_CLASSES))).astype(np.float32)
+    knowledge = on_the_wire(2 * rng.standard_normal((NUM_CLASSES, NUM_CLASSES)))  # from the server: float32
     mask = np.array([True, True, True, True, False])
     args = m.args_parser()
     assert args.batch_size_local_training >= len(y), "one full batch per epoch"
@@ -194,7 +213,7 @@ def server_round(server, rng) -> tuple[dict, dict]:
     states = perturbed_states(rng, clients, NUM_CLASSES)
     previous = perturbed_states(rng, 1, NUM_CLASSES)[0]
     vectors, held = _client_knowledge(rng, clients)
-    previous_knowledge = rng.standard_normal((NUM_CLASSES, NUM_CLASSES)).astype(np.float32)
+    previous_knowledge = on_the_wire(rng.standard_normal((NUM_CLASSES, NUM_CLASSES)))  # the server's: float32
     previous_mask = np.ones(NUM_CLASSES, bool)  # class 4 held last round, by nobody now
     sizes = [30, 55, 12, 80]
     # FedSKC_main, lines 261-271 (round_id = 2)
