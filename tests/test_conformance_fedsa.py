@@ -1,15 +1,29 @@
 """FedSA against numbers the authors' code (lokinko/FedSA) computed on the same inputs.
 
 The fixtures (tests/conformance/fixtures/fedsa-*.npz) and the calls that made them are described in
-tests/conformance/fedsa.py; their code is not run here.
+tests/conformance/fedsa.py; their code is not run here. Both sides compute in float64
+(tests/conformance/common.py), on the same float32 values where an array crosses our wire (the
+anchors, the uploaded prototypes, whose margin is d* of round 2, the global prototypes), so most
+comparisons are to ``FLOAT64``: the margins, the three losses and their gradients, the two local
+rounds' weights (by fingerprint, ``FINGERPRINT``), features and logits, and d*.
 
-Tolerances: losses, gradients, margins and averages are float32 sums in another order
-(``FLOAT32_REORDERING``: rtol 1e-5, atol 1e-6; our margins are computed in float64, theirs in
-float32). The anchor step moves an anchor by 1e-4 of its distance to the prototype, so it is
-compared twice: the new anchors to rtol 1e-5, and the move itself to 1e-6 of the anchors' largest
-entry (a float32 rounding of the anchors; a wrong alpha moves them 10x more or less). The two
-rounds train the same network on the same full batches: weights' fingerprints, features, logits
-and prototypes to 2e-5 relative (measured on this CPU: at most 4.6e-7, the logits).
+Where protofl rounds to float32 on purpose, the tolerance is that rounding's
+(``common.float32_roundings``; u = 2^-24, relative to the largest entry):
+
+- A^0: ``initial_anchors`` returns the float32 anchors the server holds and broadcasts: one
+  rounding;
+- the server: the global prototypes P are returned as float32 (one rounding); the anchor step
+  A <- alpha A + (1 - alpha) P takes that rounded P (weight 1 - alpha <= 1: u |P| at most) and
+  returns float32 A (u |A|): two roundings on max(|A|, |P|), for A and for the move A - A^0 (1e-4
+  of |P - A|: a wrong alpha moves it 10x more or less);
+- a client's uploaded prototypes: the wire carries class means as float32, so one rounding (our
+  training-mode sums are in the model's dtype; the rounding is the wire's contract).
+
+The nearest-prototype score (a count of argmins) comes from the eval pass's float32 features
+(``features_and_logits``: u per entry) and a float32 ``cdist`` (direct form below 25 rows: the
+difference, its square and a sum of D = 512 of them, (D - 1)u + 2u, halved by the square root,
++ u): each distance to (D/2 + 3)u of the larger of it and the feature's norm. It equals theirs as
+long as no sample's two nearest prototypes are within that: checked.
 """
 
 import io
@@ -17,7 +31,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from conformance.common import assert_matches, fingerprint, load_fixture
+from conformance.common import FLOAT64, assert_matches, fingerprint, float32_roundings, load_fixture
 from conformance.fedsa import NUM_CLASSES, OUR_NAMES, pixels_to_input
 from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
@@ -38,27 +52,40 @@ from protofl.strategies.fedsa import (
     nearest_neighbour_margin,
 )
 from protofl.task.data import ClientData
-from protofl.task.train import features_and_logits
 
 pytestmark = pytest.mark.conformance
 
-TRAINED = {"rtol": 2e-5, "atol": 1e-6}
+FEATURE_DIM = 512
+# a fingerprint entry is an inner product with a fixed direction: weights that agree to FLOAT64's
+# rtol (d <= rtol |w|) give entries that differ by about |d| <= rtol |w| (common.fingerprint), so
+# compared relative to the weights' norm; the fingerprint's own float64 sums of N <= 5.3e5 terms
+# (another BLAS kernel where the fixture was made) differ by about sqrt(N) u |g| |w| = N u |w|
+# <= 6e-11 |w|, below that
+FINGERPRINT = FLOAT64["rtol"]
+
+
+def _largest(*arrays) -> float:
+    """The largest magnitude of their entries (the scale of a float32 rounding's absolute part)."""
+    return float(max(np.abs(np.asarray(a, dtype=np.float64)).max() for a in arrays))
 
 
 def test_anchor_init_equals_the_codes():
     fixture = load_fixture("fedsa-anchors")
     given, theirs = fixture.inputs, fixture.outputs
     ours = initial_anchors(int(given["num_classes"]), int(given["dim"]), seed=int(given["seed"]))
-    assert_matches(ours, theirs["anchors"], "A^0: N(0, I) through the untrained Linear-BN-ReLU x2")
-    assert nearest_neighbour_margin(torch.from_numpy(ours)) == pytest.approx(float(theirs["global_margin"]), rel=1e-5)
+    assert ours.dtype == np.float32  # what the server holds and broadcasts
+    assert_matches(ours, theirs["anchors"], "A^0: N(0, I) through the untrained Linear-BN-ReLU x2",
+                   **float32_roundings(1, scale=_largest(theirs["anchors"])))
+    assert_matches(nearest_neighbour_margin(torch.from_numpy(theirs["anchors"])), theirs["global_margin"],
+                   "the anchors' margin")
 
 
 def test_margins_equal_the_codes():
     fixture = load_fixture("fedsa-losses")
     given, theirs = fixture.inputs, fixture.outputs
     anchors, previous = torch.from_numpy(given["anchors"]), torch.from_numpy(given["previous_prototypes"])
-    assert nearest_neighbour_margin(anchors) == pytest.approx(float(theirs["global_margin"]), rel=1e-5)
-    assert nearest_neighbour_margin(previous) == pytest.approx(float(theirs["local_margin"]), rel=1e-5)
+    assert_matches(nearest_neighbour_margin(anchors), theirs["global_margin"], "the anchors' margin")
+    assert_matches(nearest_neighbour_margin(previous), theirs["local_margin"], "the prototypes' margin")
     # no prototypes yet: theirs 0; one class: theirs -inf; either way d* is the anchors' margin
     assert float(theirs["local_margin_first_round"]) == 0.0 and np.isneginf(theirs["local_margin_one_class"])
     assert nearest_neighbour_margin(previous[:1]) is None
@@ -111,11 +138,14 @@ def test_server_prototype_average_and_anchor_step_equal_the_codes(tmp_path):
     _, metrics = strategy.aggregate_fit(1, results, [])
     assert metrics["accepted"] == clients
     np.testing.assert_array_equal(strategy.global_prototypes.mask, theirs["mask"])
-    assert_matches(strategy.global_prototypes.vectors, theirs["global_prototypes"], "P: the unweighted mean over uploaders")
-    assert_matches(strategy.anchors, theirs["anchors"], "A after the EMA")
-    scale = np.abs(given["anchors"]).max()
-    assert_matches(strategy.anchors - given["anchors"], theirs["anchors"] - given["anchors"], "the anchors' move",
-                   rtol=0.0, atol=1e-6 * scale)
+    assert_matches(strategy.global_prototypes.vectors, theirs["global_prototypes"],
+                   "P: the unweighted mean over uploaders",
+                   **float32_roundings(1, scale=_largest(theirs["global_prototypes"])))
+    step = float32_roundings(2, scale=_largest(theirs["anchors"], theirs["global_prototypes"]))
+    assert_matches(strategy.anchors, theirs["anchors"], "A after the EMA", **step)
+    given_anchors = given["anchors"].astype(np.float64)
+    assert_matches(strategy.anchors - given_anchors, theirs["anchors"] - given_anchors, "the anchors' move",
+                   rtol=0.0, atol=step["atol"])
     untouched = ~theirs["mask"]
     np.testing.assert_array_equal(strategy.anchors[untouched], given["anchors"][untouched])
 
@@ -125,7 +155,24 @@ def _assert_weights(model, theirs, prefix):
     for their_name, our_name in OUR_NAMES.items():
         expected = theirs[f"{prefix}.{their_name}"]
         assert_matches(fingerprint(state[our_name].numpy()), expected, f"{prefix} {our_name}", rtol=0.0,
-                       atol=TRAINED["rtol"] * expected[1])
+                       atol=FINGERPRINT * expected[1])
+
+
+def _forward(model, x):
+    """(features, logits) in eval mode, in the model's float64 (not the float32 of the eval pass,
+    ``features_and_logits``)."""
+    model.eval()
+    with torch.no_grad():
+        return model(x)
+
+
+def _assert_no_near_ties(features, prototypes):
+    """No sample whose two nearest prototypes a float32 eval pass could swap (the docstring)."""
+    distances = torch.cdist(features, prototypes).numpy()
+    nearest = np.sort(distances, axis=1)[:, :2]
+    scale = max(distances.max(), float(features.norm(dim=1).max()))
+    tolerance = float32_roundings(FEATURE_DIM // 2 + 3, scale=scale)["atol"]
+    assert (nearest[:, 1] - nearest[:, 0] > 2 * tolerance).all(), "two prototypes too close to compare the argmin"
 
 
 def test_two_local_rounds_and_the_prototype_score_equal_the_codes():
@@ -152,18 +199,23 @@ def test_two_local_rounds_and_the_prototype_score_equal_the_codes():
         _, _, metrics = client.fit([], {"server-round": server_round, "seed": server_round} | anchors)
         prefix = f"round{server_round}"
         # d* = max(anchor margin, margin of last round's prototypes; none in round 1)
-        assert client.margin == pytest.approx(float(theirs[f"{prefix}.margin"]), rel=1e-5)
+        assert_matches(client.margin, theirs[f"{prefix}.margin"], f"{prefix} d*")
         _assert_weights(client.model, theirs, prefix)
-        features, logits = features_and_logits(client.model, data.train_x)
-        assert_matches(features, theirs[f"{prefix}.features"], f"{prefix} features", **TRAINED)
-        assert_matches(logits, theirs[f"{prefix}.logits"], f"{prefix} logits", **TRAINED)
+        features, logits = _forward(client.model, data.train_x)
+        assert_matches(features, theirs[f"{prefix}.features"], f"{prefix} features")
+        assert_matches(logits, theirs[f"{prefix}.logits"], f"{prefix} logits")
         # the upload: class means of the training-mode features seen in both epochs
         prototypes = np.load(io.BytesIO(metrics[CLASS_MEANS]))
-        assert_matches(prototypes, theirs[f"{prefix}.prototypes"], f"{prefix} prototypes", **TRAINED)
-        if server_round == 1:
+        assert_matches(prototypes, theirs[f"{prefix}.prototypes"], f"{prefix} prototypes",
+                       **float32_roundings(1, scale=_largest(theirs[f"{prefix}.prototypes"])))
+        if server_round == 1:  # as our server broadcasts them (and the fixture gave their scoring): float32
             mask = np.load(io.BytesIO(metrics[CLASS_COUNTS])) > 0
-            global_prototypes = ClassVectors(prototypes, mask).to_config(GLOBAL_PROTOTYPES)
-    config = {"server-round": 2, "seed": 2} | anchors | {k: encode_array(v) for k, v in global_prototypes.items()}
-    _, tested, scores = FedSAClient(settings, data, build_method_model(settings, data), 1, state).evaluate([], config)
+            global_prototypes = ClassVectors(prototypes.astype(np.float32), mask)
+    config = {"server-round": 2, "seed": 2} | anchors | {
+        k: encode_array(v) for k, v in global_prototypes.to_config(GLOBAL_PROTOTYPES).items()}
+    client = FedSAClient(settings, data, build_method_model(settings, data), 1, state)
+    _, tested, scores = client.evaluate([], config)
+    probe_features, _ = _forward(client.model, data.test_x)  # the personal model evaluate restored
+    _assert_no_near_ties(probe_features, torch.from_numpy(global_prototypes.vectors[global_prototypes.mask]).double())
     assert tested == int(theirs["probe.tested"])
     assert scores["correct-prototype"] == int(theirs["probe.correct"])  # nearest global prototype

@@ -148,7 +148,9 @@ def prepare_model(model: SplitModel, settings: ExperimentSettings) -> SplitModel
     options = FedNHOptions.from_settings(settings)
     init = simplex_prototypes if options.prototype_init == "simplex" else orthogonal_prototypes
     prototypes = init(model.head.out_features, model.feature_dim, settings.seed)
-    model.head = CosineHead(torch.from_numpy(prototypes), options.scale, options.learnable_scale)
+    # W in the model's dtype (torch's default, as the body's parameters), its values the wire's float32
+    model.head = CosineHead(torch.from_numpy(prototypes).to(torch.get_default_dtype()), options.scale,
+                            options.learnable_scale)
     return model
 
 
@@ -175,7 +177,7 @@ class FedNHStrategy(PrototypeStrategy):
             raise PayloadError("a class mean of unit features has a norm above 1")
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return {PROTOTYPES: self.prototypes}
+        return {PROTOTYPES: self.prototypes.astype(np.float32)}  # the wire's dtype, whatever the model's
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         means, counts = stacked_statistics(updates)

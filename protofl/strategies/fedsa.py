@@ -207,7 +207,8 @@ class FedSAClient(PrototypeClient):
         anchors = self.received_class_vectors(config, ANCHORS)
         if anchors is None:
             raise ValueError("FedSA: the server sent no anchors")
-        self.anchors = torch.from_numpy(anchors).to(self.device)
+        # the wire's float32 anchors in the model's dtype: the losses mix them with its features and head
+        self.anchors = torch.from_numpy(anchors).to(self.device, next(self.model.parameters()).dtype)
         self.margin = self._margin(self.anchors)
         self.received_prototypes = self.global_prototypes(config)
 

@@ -1,5 +1,13 @@
 """FedNH's fixtures, from the authors' code (Yutong-Dai/FedNH).
 
+Their code computes in float64 (``make_fixtures.py`` sets torch's default dtype; nothing on the
+paths called here casts back to float32): every float output is float64. The arrays that cross
+protofl's float32 wire are given to both sides as float32 values (fed to their code as float64
+tensors): the server's prototypes W (the server step's W, ``input.prototypes``, and the rounds'
+W^0: their orthogonal init rounded to float32, as our server broadcasts it) and the clients'
+uploaded class means (``input.client_means``). That rounding is the only adaptation of their
+inputs besides those below.
+
 What of theirs is called (``src/flbase/...``), on seeded inputs:
 
 - ``fednh-orthogonal-init``: ``FedUHClient._initialize_model`` with ``FedNH_head_init =
@@ -12,13 +20,14 @@ What of theirs is called (``src/flbase/...``), on seeded inputs:
 - ``fednh-round-learnable-scale`` / ``fednh-round-fixed-scale``: one whole round on their
   Conv2CifarNH (192-d, 5 classes), their code's default (a learnable scale starting at 1) and
   ``FedNH_fix_scaling = True`` (s = 30, the paper's constant): two real ``FedNHClient`` objects
-  (seeded with 2022, each on its own images of two classes; classes 2 and 4 held by nobody) take
-  the server's model, train (``training``: SGD with momentum 0.9, weight decay 1e-5, clipping at
-  10, lr 0.01 * 0.99^(round - 1), round 2, two epochs of one full batch, so that the batch order
-  cannot differ), upload (``upload`` -> ``_estimate_prototype``), the server aggregates, and the
-  server-side client scores the global model on a probe set (``testing``); client A's trained
-  model is scored on the same probe set (PM(L), PM(V)). Also the loss, logits and gradients of
-  client A's first step. The weights, too large to store, are kept as ``common.fingerprint``s.
+  (seeded with 2022, each on its own images of two classes; classes 2 and 4 held by nobody; their
+  W^0 rounded to float32) take the server's model, train (``training``: SGD with momentum 0.9,
+  weight decay 1e-5, clipping at 10, lr 0.01 * 0.99^(round - 1), round 2, two epochs of one full
+  batch, so that the batch order cannot differ), upload (``upload`` -> ``_estimate_prototype``),
+  the server aggregates, and the server-side client scores the global model on a probe set
+  (``testing``); client A's trained model is scored on the same probe set (PM(L), PM(V)). Also
+  the loss, logits and gradients of client A's first step. The weights, too large to store, are
+  kept as ``common.fingerprint``s.
 """
 
 from __future__ import annotations
@@ -95,6 +104,11 @@ def _server(server_cls, state: dict, clients: dict):
     return server
 
 
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """An array for their code: in torch's default dtype (float64)."""
+    return torch.from_numpy(values).to(torch.get_default_dtype())
+
+
 def _import(checkout: Path):
     sys.path.insert(0, str(checkout))
     from src.flbase.strategies import FedNH, FedUH
@@ -123,29 +137,30 @@ def _orthogonal_init(FedUH) -> dict:
 
 
 def _server_aggregate(FedNH) -> tuple[dict, dict]:
-    """Three uploads of a 2-entry state dict, 4 classes in 6-d; class 3 held by nobody."""
+    """Three uploads of a 2-entry state dict, 4 classes in 6-d; class 3 held by nobody. W (the
+    server's) and the class means (the clients' uploads) are float32, as on our wire; the model
+    entries float64 (our wire carries them in the model's dtype)."""
     rng = seeded(11)
     classes, dim = 4, 6
     prototypes = np.linalg.qr(rng.standard_normal((dim, classes)))[0].T.astype(np.float32)
-    server_state = {"body.weight": rng.standard_normal((3, 2)).astype(np.float32),
-                    "body.bias": rng.standard_normal(3).astype(np.float32)}
+    server_state = {"body.weight": rng.standard_normal((3, 2)), "body.bias": rng.standard_normal(3)}
     counts = np.array([[6, 2, 0, 0], [1, 0, 5, 0], [3, 3, 3, 0]])
     # what a client sends: its class means of unit features (norm <= 1), zero for absent classes
-    means = rng.uniform(-1, 1, size=(3, classes, dim)).astype(np.float32)
+    means = rng.uniform(-1, 1, size=(3, classes, dim))
     means *= (rng.uniform(0.2, 0.9, size=(3, classes, 1)) / np.linalg.norm(means, axis=2, keepdims=True))
     means[counts == 0] = 0
-    client_states = [{k: (v + rng.standard_normal(v.shape)).astype(np.float32) for k, v in server_state.items()}
-                     for _ in range(3)]
+    means = means.astype(np.float32)
+    client_states = [{k: v + rng.standard_normal(v.shape) for k, v in server_state.items()} for _ in range(3)]
     uploads = []
     for k in range(3):
-        unit = torch.nn.functional.normalize(torch.from_numpy(means[k]), dim=1)
-        held = torch.from_numpy(counts[k]).float()
-        state = {n: torch.from_numpy(v) for n, v in client_states[k].items()} | {"prototype": torch.from_numpy(prototypes)}
+        unit = torch.nn.functional.normalize(_tensor(means[k]), dim=1)
+        held = _tensor(counts[k])
+        state = {n: _tensor(v) for n, v in client_states[k].items()} | {"prototype": _tensor(prototypes)}
         # _estimate_prototype's upload: count x normalised class mean, counts with 1e-12 for absent classes
         uploads.append((state, {"scaled_prototype": unit * held[:, None],
                                 "count_by_class_full": torch.where(held > 0, held, torch.tensor(1e-12))}))
-    server = _server(FedNH.FedNHServer, {n: torch.from_numpy(v) for n, v in server_state.items()}
-                     | {"prototype": torch.from_numpy(prototypes.copy())},
+    server = _server(FedNH.FedNHServer, {n: _tensor(v) for n, v in server_state.items()}
+                     | {"prototype": _tensor(prototypes)},
                      {0: SimpleNamespace(device="cpu")})
     server.server_config["num_classes"] = classes
     server.aggregate(uploads, round=1)
@@ -175,6 +190,8 @@ def _round(FedNH, fix_scaling: bool) -> tuple[dict, dict]:
     for cid, k in enumerate(CLIENT_LABELS):
         torch.manual_seed(INIT_SEED)
         clients[k] = FedNH.FedNHClient(criterion, data[k], None, config, cid, "cpu")
+        prototype = clients[k].model.prototype
+        prototype.data = prototype.data.float().to(prototype.dtype)  # W^0 as our server broadcasts it
     server = _server(FedNH.FedNHServer, copy.deepcopy(clients["a"].get_params()), dict(enumerate(clients.values())))
     initial = copy.deepcopy(server.server_model_state_dict)
     outputs = _fingerprints(initial, "initial") | {
@@ -245,13 +262,14 @@ def make(checkouts: dict[str, Path], rerun: str) -> list[Path]:
     paths = [save_fixture(
         "fednh-orthogonal-init", snapshot,
         f"{where}FedUH.py: FedUHClient._initialize_model (FedNH_head_init='orthogonal', 10 classes, Conv2Cifar) "
-        "after torch.manual_seed(2022); torch.linalg.qr spied on for the matrix orthogonal_ factorises",
+        "after torch.manual_seed(2022), in float64; torch.linalg.qr spied on for the matrix orthogonal_ factorises",
         rerun, {"seed": np.int64(INIT_SEED)}, _orthogonal_init(FedUH))]
     inputs, outputs = _server_aggregate(FedNH)
     paths.append(save_fixture(
         "fednh-server-aggregate", snapshot,
         f"{where}FedNH.py: FedNHServer.aggregate(uploads, round=1) on an object made with __new__ "
-        "(server_config: learning_rate 1, FedNH_smoothing 0.9, no adv aggregation)",
+        "(server_config: learning_rate 1, FedNH_smoothing 0.9, no adv aggregation); in float64, W and the class "
+        "means float32 values (our wire)",
         rerun, inputs, outputs))
     for fix_scaling, name in ((False, "fednh-round-learnable-scale"), (True, "fednh-round-fixed-scale")):
         inputs, outputs = _round(FedNH, fix_scaling)
@@ -259,6 +277,6 @@ def make(checkouts: dict[str, Path], rerun: str) -> list[Path]:
             name, snapshot,
             f"{where}FedNH.py: FedNHClient (constructed, setup_seed 2022) .set_params/.training/.upload/.testing, "
             f"FedNHServer.aggregate (made with __new__), a FedNHClient scoring the global model; "
-            f"FedNH_fix_scaling={fix_scaling}",
+            f"FedNH_fix_scaling={fix_scaling}; in float64, each client's W^0 rounded to float32 (our wire)",
             rerun, inputs, outputs))
     return paths

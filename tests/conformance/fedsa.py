@@ -1,5 +1,14 @@
 """FedSA's fixtures, from the authors' code (lokinko/FedSA, ``system/flcore``).
 
+Their code computes in float64 (``make_fixtures.py`` sets torch's default dtype; nothing on the
+paths called here casts back to float32): every float output is float64. The arrays that cross
+protofl's float32 wire are given to both sides as float32 values (fed to their code as float64
+tensors): the anchors a client trains with and the server steps (their init rounded to float32,
+as our server holds and broadcasts them), the clients' uploaded prototypes the server averages, a
+client's round-1 prototypes that its round-2 margin is taken of (as our client takes it of its
+upload) and the global prototypes it scores with (the same, as our server broadcasts them). That
+rounding is the only adaptation of their inputs besides those below.
+
 Their modules import ``mmcv.cnn`` (for ``build_norm_layer``) and ``h5py`` (results files), which
 this venv has not: :func:`_stub_missing_modules` puts stand-ins in ``sys.modules``; the norm layer
 is what mmcv's ``SyncBN`` builds, ``torch.nn.SyncBatchNorm`` (without a process group it
@@ -15,19 +24,22 @@ normalises with the batch statistics, as BatchNorm in training mode). Their disk
   linear head; ``cal_local_gap`` / ``cal_global_gap`` (the margins, the local one also for no
   prototypes yet and for one class).
 - ``fedsa-server``: ``servers/serversa.py: proto_aggregation`` and ``FedSA.update_semantic_anchors``
-  on three clients' prototypes (512-d, 5 classes, class 4 uploaded by nobody).
+  on three clients' float32 prototypes (512-d, 5 classes, class 4 uploaded by nobody), from the
+  anchors of their init rounded to float32.
 - ``fedsa-client-rounds``: ``clientSA.train`` twice (rounds 1 and 2) on the FedAvgCNN of their
   scripts (1 x 28 x 28 input, ``BaseHeadSplit`` after ``torch.manual_seed(0)``: the body equals our
   ``cnn`` built with seed 0, the head, drawn after a dropped one, is stored), 12 seeded images of
   three classes as one full batch (so the order cannot differ), two local epochs, lr 0.01,
   lambda 10, lambda_MCL 1, lambda_CC 1; then ``test_metrics`` (nearest global prototype) on a probe
-  set with the client's round-1 prototypes as the global ones. The anchors are their init scaled by
-  0.01, so that the client's own margin (from its round-1 prototypes) is the larger in round 2.
+  set with the client's round-1 prototypes, rounded to float32, as the global ones. The anchors are
+  their init scaled by 0.01 and rounded to float32, so that the client's own margin (from its
+  round-1 prototypes) is the larger in round 2; that margin is taken of the round-1 prototypes
+  rounded to float32 (``clientSA.protos`` replaced after round 1), as our client takes it of its
+  upload. The stored ``output.round1.prototypes`` are theirs, unrounded.
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 import types
 from collections import defaultdict
@@ -63,6 +75,16 @@ def _stub_missing_modules() -> None:
     sys.modules.setdefault("mmcv", mmcv)
     sys.modules.setdefault("mmcv.cnn", cnn)
     sys.modules.setdefault("h5py", types.ModuleType("h5py"))
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """An array for their code: in torch's default dtype (float64)."""
+    return torch.from_numpy(values).to(torch.get_default_dtype())
+
+
+def over_our_wire(values: torch.Tensor) -> np.ndarray:
+    """What our wire carries of their float64 array: float32."""
+    return values.detach().numpy().astype(np.float32)
 
 
 def _import(checkout: Path):
@@ -119,23 +141,23 @@ def _fixture_anchors(clientsa, serversa, Server) -> tuple[dict, dict]:
 def _fixture_losses(clientsa) -> tuple[dict, dict]:
     rng = seeded(21)
     classes, dim, batch = 4, 16, 6
-    anchors = np.maximum(rng.standard_normal((classes, dim)), 0).astype(np.float32) * 0.5
-    features = np.maximum(rng.standard_normal((batch, dim)), 0).astype(np.float32)
+    anchors = np.maximum(rng.standard_normal((classes, dim)), 0) * 0.5
+    features = np.maximum(rng.standard_normal((batch, dim)), 0)
     labels = np.array([0, 1, 1, 3, 0, 3])
-    head_weight = (rng.standard_normal((classes, dim)) * 0.2).astype(np.float32)
-    head_bias = (rng.standard_normal(classes) * 0.1).astype(np.float32)
+    head_weight = rng.standard_normal((classes, dim)) * 0.2
+    head_bias = rng.standard_normal(classes) * 0.1
     # last round's prototypes: spread wider than the anchors, so the local margin is d*
-    previous = (np.maximum(rng.standard_normal((3, dim)), 0) * 2.0).astype(np.float32)
+    previous = np.maximum(rng.standard_normal((3, dim)), 0) * 2.0
     inputs = {"anchors": anchors, "features": features, "labels": labels, "head_weight": head_weight,
               "head_bias": head_bias, "previous_prototypes": previous, "previous_classes": np.array([0, 2, 3])}
     outputs = {}
-    client = _client(clientsa, torch.from_numpy(anchors))
+    client = _client(clientsa, _tensor(anchors))
     client.cal_local_gap()  # no prototypes yet: stays 0
     outputs["local_margin_first_round"] = np.float64(client.local_gap)
-    client.protos = {0: torch.from_numpy(previous[0])}
+    client.protos = {0: _tensor(previous[0])}
     client.cal_local_gap()  # one class: -inf
     outputs["local_margin_one_class"] = np.float64(client.local_gap)
-    client.protos = {int(c): torch.from_numpy(p) for c, p in zip(inputs["previous_classes"], previous)}
+    client.protos = {int(c): _tensor(p) for c, p in zip(inputs["previous_classes"], previous)}
     client.local_gap = 0.0
     client.cal_local_gap()
     client.cal_global_gap()
@@ -145,9 +167,9 @@ def _fixture_losses(clientsa) -> tuple[dict, dict]:
         client.lamda, client.mcl, client.cc = weights
         head = nn.Linear(dim, classes)
         with torch.no_grad():
-            head.weight.copy_(torch.from_numpy(head_weight))
-            head.bias.copy_(torch.from_numpy(head_bias))
-        feats = torch.from_numpy(features).requires_grad_(True)
+            head.weight.copy_(_tensor(head_weight))
+            head.bias.copy_(_tensor(head_bias))
+        feats = _tensor(features).requires_grad_(True)
         loss, _ = client.cal_anchors_loss(feats, SimpleNamespace(head=head), torch.from_numpy(labels))
         loss.backward()
         outputs |= {f"{name}.loss": loss.detach().numpy(), f"{name}.grad_features": feats.grad.numpy(),
@@ -156,22 +178,23 @@ def _fixture_losses(clientsa) -> tuple[dict, dict]:
     return inputs, outputs
 
 
-def _fixture_server(serversa, anchors: torch.Tensor) -> tuple[dict, dict]:
+def _fixture_server(serversa, anchors: np.ndarray) -> tuple[dict, dict]:
+    """``anchors``: float32, as our server holds them; the uploads float32, as our wire carries them."""
     rng = seeded(31)
     dim = anchors.shape[1]
     held = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=bool)
     prototypes = np.where(held[..., None], np.maximum(rng.standard_normal((3, NUM_CLASSES, dim)), 0), 0).astype(np.float32)
     counts = np.where(held, rng.integers(1, 50, size=held.shape), 0)
-    uploads = [{c: torch.from_numpy(prototypes[k, c]) for c in np.flatnonzero(held[k])} for k in range(3)]
+    uploads = [{c: _tensor(prototypes[k, c]) for c in np.flatnonzero(held[k])} for k in range(3)]
     global_protos = serversa.proto_aggregation(uploads)
     server = serversa.FedSA.__new__(serversa.FedSA)
-    server.semantic_anchors, server.global_protos = anchors.clone(), global_protos
+    server.semantic_anchors, server.global_protos = _tensor(anchors), global_protos
     server.update_semantic_anchors()
-    aggregated = np.zeros((NUM_CLASSES, dim), np.float32)
+    aggregated = np.zeros((NUM_CLASSES, dim))
     for c, p in global_protos.items():
         aggregated[c] = p.numpy()
     mask = np.isin(np.arange(NUM_CLASSES), list(global_protos))
-    return ({"anchors": anchors.numpy(), "client_prototypes": prototypes, "client_counts": counts},
+    return ({"anchors": anchors, "client_prototypes": prototypes, "client_counts": counts},
             {"global_prototypes": aggregated, "mask": mask, "anchors": server.semantic_anchors.numpy()})
 
 
@@ -183,7 +206,7 @@ def _fingerprints(model: nn.Module, prefix: str) -> dict:
 def _fixture_rounds(clientsa, serversa, Server) -> tuple[dict, dict]:
     from flcore.trainmodel.models import BaseHeadSplit
 
-    anchors = _anchors(serversa, Server, NUM_CLASSES, 512) * ANCHOR_SCALE
+    anchors = over_our_wire(_anchors(serversa, Server, NUM_CLASSES, 512) * ANCHOR_SCALE)
     train_pixels, probe_pixels = pixels(41, len(TRAIN_LABELS)), pixels(42, len(PROBE_LABELS))
     x, y = pixels_to_input(train_pixels), torch.tensor(TRAIN_LABELS)
     probe = torch.utils.data.TensorDataset(pixels_to_input(probe_pixels), torch.tensor(PROBE_LABELS))
@@ -198,14 +221,14 @@ def _fixture_rounds(clientsa, serversa, Server) -> tuple[dict, dict]:
     # their head is a Linear drawn after the whole FedAvgCNN (whose own fc is dropped): kept in full
     outputs = _fingerprints(initial, "initial") | {"initial.head.weight.full": initial.head.weight.detach().numpy().copy(),
                                                    "initial.head.bias.full": initial.head.bias.detach().numpy().copy()}
-    client = _client(clientsa, anchors)
+    client = _client(clientsa, _tensor(anchors))
     client.load_train_data = lambda batch_size=None: torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, y), len(y), drop_last=True, shuffle=False)
     client.load_test_data = lambda batch_size=None: torch.utils.data.DataLoader(probe, 10, shuffle=False)
     for server_round in (1, 2):
         client.train()
         model = store[("Client_0", "model")]
-        protos = np.zeros((NUM_CLASSES, 512), np.float32)
+        protos = np.zeros((NUM_CLASSES, 512))
         for c, p in store[("Client_0", "protos")].items():
             protos[c] = p.numpy()
         model.eval()
@@ -217,11 +240,13 @@ def _fixture_rounds(clientsa, serversa, Server) -> tuple[dict, dict]:
             f"round{server_round}.local_margin": np.float64(client.local_gap),
             f"round{server_round}.prototypes": protos, f"round{server_round}.features": features.numpy(),
             f"round{server_round}.logits": logits.numpy()}
-        if server_round == 1:
-            store[("Server", "global_protos")] = defaultdict(list, copy.deepcopy(store[("Client_0", "protos")]))
+        if server_round == 1:  # its prototypes as our wire carries them: rounded to float32
+            uploaded = {c: _tensor(over_our_wire(p)) for c, p in store[("Client_0", "protos")].items()}
+            client.protos = uploaded  # our client's round-2 margin is that of its upload
+            store[("Server", "global_protos")] = defaultdict(list, uploaded)  # our server's broadcast
     correct, tested, _ = client.test_metrics()
     outputs |= {"probe.correct": np.int64(correct), "probe.tested": np.int64(tested)}
-    inputs = {"anchors": anchors.numpy(), "train.pixels": train_pixels, "train.labels": np.array(TRAIN_LABELS),
+    inputs = {"anchors": anchors, "train.pixels": train_pixels, "train.labels": np.array(TRAIN_LABELS),
               "probe.pixels": probe_pixels, "probe.labels": np.array(PROBE_LABELS), "init_seed": np.int64(0),
               "lr": np.float64(LR), "epochs": np.int64(EPOCHS), "lambda_r": np.float64(LAMBDA_R),
               "lambda_mcl": np.float64(LAMBDA_MCL), "lambda_cc": np.float64(LAMBDA_CC)}
@@ -234,17 +259,19 @@ def make(checkouts: dict[str, Path], rerun: str) -> list[Path]:
     calls = {
         "fedsa-anchors": ("system/flcore/servers/serversa.py: FedSA.__init__ (Server.__init__, set_slow_clients, "
                           "set_clients patched to no-ops; mmcv SyncBN -> torch.nn.SyncBatchNorm) after "
-                          "torch.manual_seed(0); clients/clientsa.py: clientSA.cal_global_gap",
+                          "torch.manual_seed(0); clients/clientsa.py: clientSA.cal_global_gap; in float64",
                           _fixture_anchors(clientsa, serversa, Server)),
         "fedsa-losses": ("system/flcore/clients/clientsa.py: clientSA.cal_anchors_loss (and cal_mcl_loss), "
-                         "cal_local_gap, cal_global_gap on a clientSA made with __new__",
+                         "cal_local_gap, cal_global_gap on a clientSA made with __new__; in float64",
                          _fixture_losses(clientsa)),
         "fedsa-server": ("system/flcore/servers/serversa.py: proto_aggregation, FedSA.update_semantic_anchors "
-                         "(a FedSA made with __new__)",
-                         _fixture_server(serversa, _anchors(serversa, Server, NUM_CLASSES, 512))),
+                         "(a FedSA made with __new__); in float64, the anchors and uploads float32 values (our wire)",
+                         _fixture_server(serversa, over_our_wire(_anchors(serversa, Server, NUM_CLASSES, 512)))),
         "fedsa-client-rounds": ("system/flcore/clients/clientsa.py: clientSA.train (two rounds) and test_metrics, "
                                 "load_item/save_item to a dict, load_train_data/load_test_data to seeded images; "
-                                "BaseHeadSplit(FedAvgCNN(in_features=1, dim=1024)) after torch.manual_seed(0)",
+                                "BaseHeadSplit(FedAvgCNN(in_features=1, dim=1024)) after torch.manual_seed(0); "
+                                "in float64, the anchors, and the round-1 prototypes for the round-2 margin and as "
+                                "global prototypes, rounded to float32 (our wire)",
                                 _fixture_rounds(clientsa, serversa, Server)),
     }
     return [save_fixture(name, snapshot, call, rerun, *arrays) for name, (call, arrays) in calls.items()]
