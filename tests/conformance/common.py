@@ -117,6 +117,10 @@ def save_fixture(
     }
     if any(a.dtype == object for a in arrays.values()):
         raise TypeError("a fixture holds numbers and strings only")
+    computed_in_float32 = sorted(k for k, v in outputs.items() if np.asarray(v).dtype.kind == "f"
+                                 and np.asarray(v).dtype != np.float64)
+    if computed_in_float32:
+        raise TypeError(f"outputs not computed in float64: {computed_in_float32}")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.npz"
     np.savez_compressed(path, **arrays)
