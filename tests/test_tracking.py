@@ -302,7 +302,7 @@ def test_a_run_killed_in_round_3_tracks_as_the_uninterrupted_run(tmp_path):
                     "checkpoint-every": 2, "fraction-fit": 1.0, "tracker": "tensorboard,mlflow"}
     run_in_process(config | {"run-name": "whole"}, num_nodes=4)
     killed = config | {"run-name": "killed"}
-    command = [sys.executable, str(TESTS / "interrupted.py"), json.dumps(killed), "4"]
+    command = [sys.executable, str(TESTS / "interrupted.py"), json.dumps(killed), "4", "4"]  # hangs in round 4
     kill_during_round_3(tmp_path / "killed", command, os.environ | {"PYTHONPATH": str(TESTS)}, str(tmp_path))
     run_in_process(killed | {"resume": True}, num_nodes=4)
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
