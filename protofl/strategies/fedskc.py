@@ -268,7 +268,10 @@ class FedSKCClient(PrototypeClient):
         statistics = super().local_statistics(seen)
         if not self.options.silu:
             return statistics
-        return ClassStatistics(F.silu(torch.from_numpy(statistics.means)).numpy(), statistics.counts)
+        # in float64, rounded once: torch's float32 exp differs in its last bit from one CPU's
+        # vectorised kernels to another's, and the upload would with it
+        knowledge = F.silu(torch.from_numpy(statistics.means).double()).float().numpy()
+        return ClassStatistics(knowledge, statistics.counts)
 
 
 STRATEGY, CLIENT = FedSKCStrategy, FedSKCClient

@@ -267,8 +267,10 @@ def features_and_logits(
     channels_last: ChannelsLast = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eval-mode forward pass over ``x`` in chunks under ``torch.inference_mode`` (``amp`` and
-    ``channels_last`` as in :func:`train`). The outputs are float32, need no grad, and are ordinary
-    tensors (joined outside inference mode), so later autograd may use them as constants."""
+    ``channels_last`` as in :func:`train`). The outputs are in the weights' dtype (float32; bfloat16
+    autocast's outputs are cast back), need no grad, and are ordinary tensors (joined outside
+    inference mode), so later autograd may use them as constants."""
+    dtype = next(model.parameters()).dtype
     autocast = _autocast(amp, x.device)
     channels_last = _to_channels_last(model, x, channels_last)  # outside inference mode: the weights stay trainable
     model.eval()
@@ -278,8 +280,8 @@ def features_and_logits(
             chunk = x[i : i + batch_size]
             with autocast:
                 f, logit = model(chunk.contiguous(memory_format=torch.channels_last) if channels_last else chunk)
-            features.append(f.float())
-            logits.append(logit.float())
+            features.append(f.to(dtype))
+            logits.append(logit.to(dtype))
     return torch.cat(features), torch.cat(logits)
 
 
