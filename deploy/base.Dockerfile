@@ -15,7 +15,7 @@ RUN apt-get update \
 # The virtual environment is made in a stage that is not shipped: the CA bundle a build may trust
 # (deploy/build/*.crt, see deploy/build/pip.sh) is in none of the image's layers.
 FROM python AS venv
-ARG FLWR_VERSION=1.41.0
+ARG FLWR_VERSION=1.42.0
 COPY deploy/build/ /tmp/build/
 RUN python3 -m venv /python/venv \
     && PATH=/python/venv/bin:$PATH sh /tmp/build/pip.sh install "flwr==${FLWR_VERSION}"

@@ -26,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLOWER_IMAGES=${FLOWER_IMAGES:-protofl-local}
-export FLWR_VERSION=${FLWR_VERSION:-1.41.0}
+export FLWR_VERSION=${FLWR_VERSION:-1.42.0}
 python=${PYTHON:-$PWD/.venv/bin/python}
 work=$(mktemp -d)
 chmod 755 "$work"  # the containers' user reads the credentials below it

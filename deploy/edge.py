@@ -26,7 +26,7 @@ import ssl
 from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().with_name("edge.conf.template")
-# Flower 1.41 sends a FAB of at most 10 MiB in one request, and messages as objects of at most 5 MiB
+# Flower 1.41 and 1.42 send a FAB of at most 10 MiB in one request, and messages as objects of at most 5 MiB
 # (FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE): 16 MiB leaves headroom for their envelopes.
 MAX_BODY = "16m"
 READ_TIMEOUT = "3600s"  # how long the SuperLink may take to answer: `flwr run --stream` follows a whole run

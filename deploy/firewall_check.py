@@ -2,7 +2,7 @@
 from a port Docker publishes, measured: the README's threat model says it does not, and that rules for
 published ports belong in Docker's DOCKER-USER chain. Run as root on a host with dockerd:
 
-    python deploy/firewall_check.py [--image protofl-local/flower:1.41.0]
+    python deploy/firewall_check.py [--image protofl-local/flower:1.42.0]
 
 "Another machine" is a network namespace joined to this host by a veth pair. A container publishes a
 port (python3 -m http.server in ``--image``) and the namespace connects to it; first, as the control, to a
@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--image", default="protofl-local/flower:1.41.0", help="an image with python3")
+    parser.add_argument("--image", default="protofl-local/flower:1.42.0", help="an image with python3")
     args = parser.parse_args()
     tag = uuid.uuid4().hex[:6]
     namespace, veth, subnet = f"pffw{tag}", f"pffw{tag}h", f"10.214.{int(tag, 16) % 250 + 1}"

@@ -10,7 +10,7 @@
   directory of its Python installation (the virtual environment, the interpreter's prefix, every
   entry of ``sys.path``) is writable by it.
 
-    python deploy/image_check.py --canary deploy/build-ca-canary.pem protofl-app:1.41.0 ...
+    python deploy/image_check.py --canary deploy/build-ca-canary.pem protofl-app:1.42.0 ...
 
 Prints one line per image and exits 1 if any image fails.
 """

@@ -12,7 +12,7 @@ Writes into ``--out`` (default ``deploy/credentials``), the files that are deplo
   the edge (``deploy/edge.py``) asks of whoever uses the Control API from outside; it stays on the
   operator's machine (``deploy/operator_tunnel.py`` presents it);
 - ``superexec.secret``: a random shared secret with which the ServerApp's SuperExec authenticates
-  to the SuperLink's runtime API (``--superexec-auth-secret-file``, experimental in Flower 1.41);
+  to the SuperLink's runtime API (``--superexec-auth-secret-file``, experimental in Flower 1.41 and 1.42);
 
 and the CA's private key ``ca.key`` into ``--ca-dir`` (default: ``<out>-ca``, e.g.
 ``deploy/credentials-ca``, mode 0700), apart from them: no service needs it, and whoever holds it

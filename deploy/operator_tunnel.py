@@ -2,7 +2,7 @@
 listens on 127.0.0.1 and carries each connection to the edge over TLS, presenting the operator's
 client certificate, which the edge asks of every Control API request.
 
-Flower 1.41's CLI cannot present a client certificate itself (its HTTP client takes only root
+The CLI of Flower 1.41 and 1.42 cannot present a client certificate itself (its HTTP client takes only root
 certificates, ``flwr/supercore/protobuf/client.py``), so ``flwr`` speaks plain HTTP to this
 forwarder on loopback, and the forwarder speaks mutual TLS to the edge, checking the edge's
 certificate against the deployment's CA:

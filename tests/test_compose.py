@@ -58,11 +58,25 @@ def test_a_flag_that_does_not_exist_is_caught():
 
 
 def test_images_match_the_installed_flower_version():
-    major_minor = ".".join(version("flwr").split(".")[:2])
-    defaults = set(re.findall(r"FLWR_VERSION:-([0-9.]+)", (ROOT / "docker-compose.yml").read_text()))
+    # The app image installs protofl's dependencies with -c constraints.txt on top of the image's own
+    # flwr, so every default must be the pinned version itself, not only its major.minor: another
+    # patch release there would be replaced by the pin inside the image.
+    pinned = re.search(r"^flwr==(\S+)$", (ROOT / "constraints.txt").read_text(), flags=re.M).group(1)
+    assert pinned == version("flwr")  # the tests run on the version the images get
+    compose_files = [ROOT / "docker-compose.yml", *sorted((ROOT / "deploy").glob("compose*.yml"))]
+    defaults = {path.name: set(re.findall(r"FLWR_VERSION:-([0-9.]+)", path.read_text())) for path in compose_files}
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    defaults |= set(re.findall(r"ARG FLWR_VERSION=([0-9.]+)", dockerfile))
-    assert defaults and {".".join(d.split(".")[:2]) for d in defaults} == {major_minor}
+    defaults["deploy/Dockerfile"] = set(re.findall(r"ARG FLWR_VERSION=([0-9.]+)", dockerfile))
+    defaults["deploy/base.Dockerfile"] = set(
+        re.findall(r"ARG FLWR_VERSION=([0-9.]+)", (ROOT / "deploy" / "base.Dockerfile").read_text()))
+    defaults["deploy/compose_e2e.sh"] = set(
+        re.findall(r"FLWR_VERSION=\$\{FLWR_VERSION:-([0-9.]+)\}", (ROOT / "deploy" / "compose_e2e.sh").read_text()))
+    for name in ("firewall_check.py", "image_check.py"):  # their help's and usage's image tags
+        defaults[f"deploy/{name}"] = set(re.findall(r"protofl-[a-z-]+/?[a-z-]*:([0-9.]+)",
+                                                    (ROOT / "deploy" / name).read_text()))
+    for name in ("docker-compose.yml", "deploy/Dockerfile", "deploy/base.Dockerfile", "deploy/compose_e2e.sh"):
+        assert defaults[name], f"{name} names no FLWR_VERSION default"
+    assert {name: found for name, found in defaults.items() if found - {pinned}} == {}, f"constraints.txt pins {pinned}"
     targets = set(re.findall(r"^FROM \S+ AS (\w+)", dockerfile, flags=re.M))
     for service in native.load_compose("gpu")["services"].values():
         if "build" in service:
@@ -375,9 +389,9 @@ def test_variables_are_substituted_as_compose_does():
     assert args["FLOWER_IMAGES"] == "flwr" and args["TORCH_INDEX_URL"].endswith("/whl/cpu")  # Docker Hub, CPU torch
     node_config = option(defaults["services"]["supernode-1"]["command"], "--node-config")
     assert "num-threads=1" in node_config.split()  # one torch thread per ClientApp unless told
-    chosen = native.load_compose(environ={"CLIENT_THREADS": "4", "FLWR_VERSION": "1.41.1"})
+    chosen = native.load_compose(environ={"CLIENT_THREADS": "4", "FLWR_VERSION": "1.42.1"})
     assert "num-threads=4" in option(chosen["services"]["supernode-2"]["command"], "--node-config").split()
-    assert chosen["services"]["superexec-serverapp"]["build"]["args"]["FLWR_VERSION"] == "1.41.1"
+    assert chosen["services"]["superexec-serverapp"]["build"]["args"]["FLWR_VERSION"] == "1.42.1"
     local = native.load_compose(environ={"FLOWER_IMAGES": "protofl-local", "TORCH_INDEX_URL": ""})
     for name in ("superlink", "supernode-1", "superexec-clientapp-1"):
         assert local["services"][name]["build"]["args"]["FLOWER_IMAGES"] == "protofl-local", name
