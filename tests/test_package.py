@@ -1,6 +1,7 @@
-"""protofl as a package: its version, `protofl new`'s app directory, and (slow) a wheel and an sdist
-built from the checkout (`python -m build`), each installed into a fresh virtual environment, then
-`protofl --version`, `protofl new` and `flwr run` of the new app directory from the wheel's."""
+"""protofl as a package: its version, `protofl new`'s app directory, pyproject.toml's ranges against
+constraints.txt's pins, and (slow) a wheel and an sdist built from the checkout (`python -m build`),
+each installed into a fresh virtual environment over the pinned dependencies, then `protofl
+--version`, `protofl new` and `flwr run` of the new app directory from the wheel's."""
 
 import importlib.metadata
 import json
@@ -14,6 +15,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 from native import free_port, kill_trees, pids_with_argument
 from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
 
@@ -45,6 +49,43 @@ def test_protofl_new_writes_the_checkouts_app_with_every_default(tmp_path):
         new_app(tmp_path / "My Experiments_2026")
     assert main(["new", str(tmp_path / "My Experiments_2026")]) == 1
     assert main(["new", "--force", str(tmp_path / "My Experiments_2026")]) == 0
+
+
+def pins() -> dict[str, Version]:
+    found = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, pinned = line.split("==")
+            found[canonicalize_name(name)] = Version(pinned)
+    return found
+
+
+def test_the_ranges_admit_only_what_ci_runs():
+    """pyproject.toml's rule: flwr exactly the pinned series; every other requirement with a pin at
+    least the pin's release series, its upper bound only where a known break exists (listed here)."""
+    pinned = pins()
+    project = PYPROJECT["project"]
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    requirements += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    known_breaks = {"mkdocs": "<2"}  # the theme and mkdocstrings are MkDocs 1 plugins
+    checked = set()
+    for requirement in requirements:
+        name = canonicalize_name(requirement.name)
+        if name == "protofl":
+            continue  # an extra naming others
+        assert name in pinned, f"{requirement} has no pin in constraints.txt: CI runs no version of it"
+        version = pinned[name]
+        assert version in requirement.specifier, f"{requirement} refuses the pin {version}"
+        series = f"{version.major}.{version.minor}"
+        lower = {s.version for s in requirement.specifier if s.operator == ">="}
+        upper = {str(s) for s in requirement.specifier if s.operator != ">="}
+        assert lower == {series}, f"{requirement}: the lower bound must be the pin's series, >={series}"
+        if name == "flwr":
+            assert upper == {f"<{version.major}.{version.minor + 1}"}, f"{requirement}: flwr is the pinned series only"
+        else:
+            assert upper == ({known_breaks[name]} if name in known_breaks else set()), f"{requirement}: which break?"
+        checked.add(name)
+    assert {"flwr", "torch", "numpy", "flwr-datasets", "mkdocs", "wandb"} <= checked
 
 
 def test_an_app_name_is_one_flower_accepts():
@@ -146,3 +187,4 @@ def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path):
     want = expected_points(results)
     assert_same_points(tensorboard_scalars(directory / "tensorboard"), want)
     assert_same_points(mlflow_metrics(results), want)
+
