@@ -1,15 +1,18 @@
 """protofl as a package: its version, `protofl new`'s app directory, pyproject.toml's ranges against
 constraints.txt's pins, and (slow) a wheel and an sdist built from the checkout (`python -m build`),
 each installed into a fresh virtual environment over the pinned dependencies, then `protofl
---version`, `protofl new` and `flwr run` of the new app directory from the wheel's."""
+--version`, `protofl new` and `flwr run` of the new app directory from the wheel's; and (slow) the
+wheel with the dependencies pip resolves from the package index, running the README's main job."""
 
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -188,3 +191,84 @@ def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path):
     assert_same_points(tensorboard_scalars(directory / "tensorboard"), want)
     assert_same_points(mlflow_metrics(results), want)
 
+
+def directory_bytes(directory: Path) -> int:
+    return sum(path.lstat().st_size for path in directory.rglob("*") if not path.is_symlink() and path.is_file())
+
+
+@pytest.mark.slow
+def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_path):
+    """What a user who installs the wheel gets: a fresh virtual environment in which pip resolves the
+    wheel's dependencies from the package index (the newest versions pyproject.toml's ranges allow;
+    on the build machines torch and torchvision stop at the local cap), nothing of this venv in
+    reach, and the README's main job from the app `protofl new` writes: FedAvg on digits, 10
+    SuperNodes with 1 CPU each, 20 rounds. Prints what pip chose, the time and the venv's size; the
+    venv (several GB: CUDA torch) is deleted at the end."""
+    started = time.monotonic()
+    dist = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    wheel = dist / f"protofl-{protofl.__version__}-py3-none-any.whl"
+    venv = tmp_path / "venv-index"
+    bin_dir, python = venv / "bin", str(venv / "bin" / "python")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"VIRTUAL_ENV": str(venv), "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
+    home = tmp_path / "flwr-home"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        # as ./setup.sh does; Python 3.11's bundled pip is 23.2
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True, capture_output=True,
+                       env=env, timeout=300)
+        installing = time.monotonic()
+        installed = subprocess.run([python, "-m", "pip", "install", "--quiet", str(wheel)], capture_output=True,
+                                   text=True, env=env, timeout=1800)
+        install_seconds = time.monotonic() - installing
+        freeze = subprocess.run([python, "-m", "pip", "freeze", "--all"], capture_output=True, text=True, env=env,
+                                timeout=120).stdout
+        chosen = f"\npip chose ({install_seconds:.0f} s):\n{freeze}"
+        print(chosen)
+        assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:] + chosen
+        versions = {canonicalize_name(n): Version(v) for n, v in (line.split("==") for line in freeze.splitlines()
+                                                                   if "==" in line)}
+        for requirement in map(Requirement, PYPROJECT["project"]["dependencies"]):
+            assert versions[canonicalize_name(requirement.name)] in requirement.specifier, f"{requirement}{chosen}"
+        checked = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, env=env, timeout=120)
+        assert checked.returncode == 0, checked.stdout + chosen
+        code = "import json, flwr, protofl, sys; print(json.dumps([flwr.__file__, protofl.__file__, sys.path]))"
+        *modules, path = json.loads(run_in(bin_dir, [python, "-c", code], tmp_path, env).stdout)
+        assert all(module.startswith(str(venv)) for module in modules), modules
+        assert sysconfig.get_paths()["purelib"] not in path and str(ROOT) not in path  # the index's, not the pins'
+        created = run_in(bin_dir, ["protofl", "new", "main-job"], tmp_path, env)
+        assert created.returncode == 0, created.stderr
+
+        env |= {
+            "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        }
+        run_config = f"output-dir='{tmp_path / 'runs'}' run-name='main-job'"  # the app's defaults otherwise
+        running = time.monotonic()
+        try:
+            run = run_in(bin_dir, ["flwr", "run", "main-job", "--stream", "--run-config", run_config, "--federation-config",
+                                   "num-supernodes=10 client-resources-num-cpus=1 client-resources-num-gpus=0.0"],
+                         tmp_path, env, timeout=900)
+        finally:
+            kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
+        run_seconds = time.monotonic() - running
+        assert not pids_with_argument(str(home))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + chosen
+        results = json.loads((tmp_path / "runs" / "main-job" / "results.json").read_text())
+        config = results["run_config"]
+        assert (config["method"], config["dataset"], config["num_server_rounds"]) == ("fedavg", "digits", 20)
+        assert [r["round"] for r in results["rounds"]] == list(range(1, 21))
+        summary = results["summary"]
+        # the pins give GM final 0.944-0.947, PM final 0.964-0.966 (docs/results/main-job.md)
+        assert summary["global_accuracy"]["final"] > 0.9 and summary["personalized_accuracy"]["final"] > 0.9, \
+            f"{summary}{chosen}"
+        print(f"flwr {versions['flwr']}, torch {versions['torch']}: the main job in {run_seconds:.0f} s, GM final "
+              f"{summary['global_accuracy']['final']:.4f}, PM final {summary['personalized_accuracy']['final']:.4f}; "
+              f"pip install {install_seconds:.0f} s, the venv {directory_bytes(venv) / 2**30:.2f} GiB; "
+              f"{time.monotonic() - started:.0f} s in all")
+    finally:
+        kill_trees(pids_with_argument(str(home)))
+        shutil.rmtree(venv, ignore_errors=True)
