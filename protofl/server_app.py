@@ -139,7 +139,7 @@ def make_server_fn(
 
 class PromptReplies(Grid):
     """A deployment's grid whose ``send_and_receive`` asks the SuperLink for the replies every
-    ``elapsed / 20`` seconds, from 0.1 s up to 3 s, instead of Flower 1.41's fixed 3 s
+    ``elapsed / 20`` seconds, from 0.1 s up to 3 s, instead of the fixed 3 s of Flower 1.41 and 1.42
     (``HttpGrid.send_and_receive``): a reply waits at most 5% of the time its message took (or
     0.1 s), so a short message no longer costs a three-second round, and a long one is polled
     about as often as before. Everything else is the grid's own."""

@@ -100,7 +100,7 @@ def test_epsilon_matches_the_rdp_formula_by_hand_and_dp_accounting_composed_dire
 
 
 def test_flowers_rdp_accountant_gives_the_same_epsilon():
-    """Flower 1.41's RdpAccountant (flwr[dp]) can express the mechanism: a Gaussian release without
+    """The RdpAccountant of Flower 1.41 and 1.42 (flwr[dp]) can express the mechanism: a Gaussian release without
     amplification, composed per round. It accepts 'no-amplification' only with the add-or-remove
     relation; for a Gaussian mechanism without sampling the relation changes nothing (the
     sensitivity, of a same-class replacement here, is in the noise multiplier), as dp-accounting

@@ -6,7 +6,7 @@ GPU share that packs N ClientApps onto each GPU, and the CPUs an actor was given
 
 Two counts decide how many ClientApps share a GPU, and both must come out N:
 
-- Flower's actor pool (flwr 1.41, ``simulation/ray_transport/ray_actor.py``,
+- Flower's actor pool (flwr 1.41 and 1.42, ``simulation/ray_transport/ray_actor.py``,
   ``pool_size_from_resources``): ``int(gpus / share)`` actors per node (and at most
   ``int(cpus / num_cpus)``);
 - Ray's scheduler (2.55, ``src/ray/common/scheduling/fixed_point.h``): a share is counted in units
