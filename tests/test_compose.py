@@ -26,9 +26,19 @@ EDGE_DOCKERFILE = "deploy/edge.Dockerfile"
 CREDENTIAL_FILES = {"ca.crt", "server.pem", "server.key"}  # + supernode-<i>, as make_credentials.py writes
 
 
+BINARIES = ("flower-superlink", "flower-supernode", "flower-superexec")
+
+
 @functools.cache
+def _help_texts() -> dict[str, str]:
+    """Each binary's --help, the three asked at once (each starts a Python that imports Flower)."""
+    asked = {b: subprocess.Popen([str(native.BIN / b), "--help"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True) for b in BINARIES}
+    return {b: process.communicate(timeout=60)[0] for b, process in asked.items()}
+
+
 def known_flags(binary: str) -> frozenset[str]:
-    help_text = subprocess.run([str(native.BIN / binary), "--help"], capture_output=True, text=True, timeout=60).stdout
+    help_text = _help_texts()[binary]
     return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text))
 
 

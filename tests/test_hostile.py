@@ -359,7 +359,7 @@ def test_a_predictor_one_client_leaves_out_is_scored_over_the_others(tmp_path):
 
 # --- whole runs in process: discovery and DP ----------------------------------------------------
 
-RUN = {"num-server-rounds": 2, "local-epochs": 1, "global-test-pm": False, "min-fit-clients": 1}
+RUN = {"num-server-rounds": 2, "local-epochs": 1, "global-test-pm": False, "min-fit-clients": 1, "batch-size": 32}
 
 
 @pytest.mark.parametrize("verify", [True, False])

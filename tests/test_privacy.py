@@ -212,7 +212,7 @@ def test_the_issues_setting_reports_the_epsilon_of_the_whole_release(tmp_path):
     epsilon is the worst client's, each of its 5 releases a Gaussian mechanism of sensitivity
     2 * sqrt(10); at least the issue's 22.0 (the old accounting said 5.38)."""
     config = {"method": "fedproto", "dataset": "digits", "num-server-rounds": 5, "local-epochs": 1, "dp-noise": 4.0,
-              "dp-clip": 1.0, "eval-every": 5, "output-dir": str(tmp_path), "run-name": "dp"}
+              "dp-clip": 1.0, "batch-size": 32, "eval-every": 5, "output-dir": str(tmp_path), "run-name": "dp"}
     run_in_process(config, num_nodes=4)
     results = json.loads((tmp_path / "dp" / "results.json").read_text())
     held = held_classes_of_partitions(4)
@@ -237,7 +237,8 @@ def test_releases_after_the_checkpoint_count_again_when_a_resumed_run_replays_th
     each client has 5 releases, not the uninterrupted run's 4."""
     strategy_class, _ = get_method("fedproto")
     config = {"method": "fedproto", "dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "dp-noise": 4.0,
-              "dp-clip": 1.0, "checkpoint-every": 2, "output-dir": str(tmp_path), "run-name": "killed"}
+              "dp-clip": 1.0, "batch-size": 32, "checkpoint-every": 2, "output-dir": str(tmp_path),
+              "run-name": "killed"}
     aggregate_fit = strategy_class.aggregate_fit
 
     def dies_in_round_3(self, server_round, results, failures):
@@ -281,7 +282,7 @@ def test_a_killed_process_resumes_counting_every_release_it_sent(tmp_path):
     from test_resume import TESTS, kill_during_round_3
 
     config = {"method": "fedproto", "dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "dp-noise": 2.0,
-              "dp-clip": 1.0, "checkpoint-every": 2, "fraction-fit": 0.5, "output-dir": str(tmp_path),
+              "dp-clip": 1.0, "batch-size": 32, "checkpoint-every": 2, "fraction-fit": 0.5, "output-dir": str(tmp_path),
               "run-name": "killed"}
     command = [sys.executable, str(TESTS / "interrupted.py"), json.dumps(config), "4", "4"]  # hangs in round 4
     kill_during_round_3(tmp_path / "killed", command, os.environ | {"PYTHONPATH": str(TESTS)}, str(tmp_path))

@@ -37,8 +37,9 @@ from protofl.strategies.fedproto import FedProtoOptions
 from protofl.task import storage
 
 TESTS = Path(__file__).resolve().parent
+# batch-size 32: a third of the default's steps; what a resume must keep does not depend on it
 RUN = {"dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "fraction-fit": 0.5,
-       "global-test-pm-per-class": 10}
+       "global-test-pm-per-class": 10, "batch-size": 32}
 
 
 def rounds_without_timing(directory: Path) -> list[dict]:
@@ -375,7 +376,7 @@ def test_flwr_run_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_pat
     from test_flwr_run import flwr_command, flwr_run
 
     config = (f"method='{method}' num-server-rounds=4 local-epochs=1 fraction-fit=0.67 checkpoint-every=2 "
-              "global-test-pm-per-class=10")
+              "global-test-pm-per-class=10 batch-size=32")  # RUN's
     command, env = flwr_command(tmp_path, config, "killed")
     kill_during_round_3(tmp_path / "killed", command, env | {"OMP_NUM_THREADS": "1"}, env["FLWR_HOME"], attempts=3)
     resumed = flwr_run(tmp_path, config + " resume=true", "killed", {"OMP_NUM_THREADS": "1"})

@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     return {
         name: run_in_process({"method": name, "num-server-rounds": 2, "local-epochs": 1, "output-dir": str(out),
-                              "run-name": name, "global-test-pm-per-class": 10})
+                              "run-name": name, "global-test-pm-per-class": 10, "batch-size": 32})
         for name in METHODS
     }
 
