@@ -13,7 +13,7 @@ scores the global test set.
 
 Each round, for every client in turn (all of them, whatever ``fraction-fit``): load the global
 weights, train one local epoch with `protofl.task.train.train` (the run config's lr, momentum,
-weight decay, clipping, partial batch, augmentation, amp and channels-last; no method's extra loss,
+weight decay, clipping, partial batch, augmentation, amp, channels-last and cuda-graphs; no method's extra loss,
 no BatchNorm recomputation: FedAvg's local work), then `features_and_logits` over the client's test
 data. One warm-up round, then ``--rounds`` timed rounds, per model and batch size; the
 ``--variant``s (run-config overrides, e.g. precision and memory format) take turns on each
@@ -53,7 +53,8 @@ from protofl.task.data import DATASETS, SHAPES, black_level  # noqa: E402
 from protofl.task.models import build_model, client_architecture  # noqa: E402
 from protofl.task.partition import client_split, partition_indices  # noqa: E402
 from protofl.task.sampling import client_seed  # noqa: E402
-from protofl.task.train import features_and_logits, get_device, resolve_amp, train, uses_channels_last  # noqa: E402
+from protofl.task.train import (  # noqa: E402
+    features_and_logits, get_device, resolve_amp, resolve_cuda_graphs, train, uses_channels_last)
 from protofl.task.weights import get_weights, set_weights  # noqa: E402
 
 
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 for label, overrides in variants.items()}
             measured = measure(settings, clients, batch_size, args.rounds, device)
             results += [{"model": model, "variant": label, "overrides": variants[label], "amp": s.amp,
-                         "autocast": resolve_amp(s.amp, device), "channels_last": s.channels_last, **measured[label]}
+                         "autocast": resolve_amp(s.amp, device), "channels_last": s.channels_last,
+                         "step": resolve_cuda_graphs(s.cuda_graphs, device), **measured[label]}
                         for label, s in settings.items()]
     channels, size, _, _ = SHAPES[base_settings.dataset]
     return report({
@@ -254,15 +256,15 @@ def report(summary: dict, out: Path) -> int:
         + (f", {summary['processes']} processes at once (samples/s: their sum)" if summary["processes"] > 1 else "")
         + "; speed-up: training samples/s over the first variant's",
         "",
-        "| model | variant | autocast | memory format | batch size | train samples/s | eval samples/s | "
-        "seconds per round | speed-up |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | variant | autocast | memory format | training step | batch size | train samples/s | "
+        "eval samples/s | seconds per round | speed-up |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     first = {}
     for r in summary["results"]:
         reference = first.setdefault((r["model"], r["batch_size"]), r["train_samples_per_second"])
         lines.append(
-            f"| {r['model']} | {r['variant']} | {r['autocast']} | {r['memory_format']} | "
+            f"| {r['model']} | {r['variant']} | {r['autocast']} | {r['memory_format']} | {r['step']} | "
             f"{r['batch_size']} | {r['train_samples_per_second']:,.0f} | {r['eval_samples_per_second']:,.0f} | "
             f"{r['mean_seconds_per_round']:.2f} | {r['train_samples_per_second'] / reference:.2f}x |")
     (out / "throughput.json").write_text(json.dumps(summary, indent=2))

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
-from protofl.task.train import Amp, BatchNormStats, ChannelsLast, PartialBatch
+from protofl.task.train import Amp, BatchNormStats, ChannelsLast, CudaGraphs, PartialBatch
 from protofl.tracking import tracker_names
 
 EvaluateClients = Literal["sampled", "all"]
@@ -211,6 +211,7 @@ class ExperimentSettings:
     max_grad_norm: float = 0.0
     amp: Amp = "auto"
     channels_last: ChannelsLast = "auto"
+    cuda_graphs: CudaGraphs = "auto"
     model: str = "cnn"
     seed: int = 0
     partition_seed: int = 0
@@ -306,6 +307,7 @@ class ExperimentSettings:
             "weight_decay": self.weight_decay,
             "max_grad_norm": self.max_grad_norm,
             "seed": seed,
+            "cuda_graphs": self.cuda_graphs,
             **self.precision,
         }
 

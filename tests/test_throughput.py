@@ -49,10 +49,10 @@ def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hol
     # each batch size's variants side by side, in the order given
     assert [(r["batch_size"], r["variant"]) for r in summary["results"]] == [
         (10, "fp32"), (10, "defaults"), (32, "fp32"), (32, "defaults")]
-    assert {(r["variant"], r["amp"], r["autocast"], r["channels_last"], r["memory_format"])
-            for r in summary["results"]} == {("fp32", "off", "off", False, "NCHW"),
+    assert {(r["variant"], r["amp"], r["autocast"], r["channels_last"], r["memory_format"], r["step"])
+            for r in summary["results"]} == {("fp32", "off", "off", False, "NCHW", "off"),
                                              ("defaults", "auto", resolve_amp("auto", torch.device("cpu")), "auto",
-                                              "channels-last")}  # the CNN trains faster so
+                                              "channels-last", "off")}  # the CNN trains faster so; no capture on a CPU
     for result in summary["results"]:
         assert result["train_samples_per_round"] == sum(c["num_train"] for c in clients)
         assert result["eval_samples_per_round"] == sum(c["num_test"] for c in clients)
@@ -62,7 +62,7 @@ def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hol
     assert summary["device"] == "cpu (1 threads)" and summary["date"] and summary["machine"]
     assert "benchmarks/throughput.py" in summary["command"]
     table = (tmp_path / "throughput.md").read_text()
-    assert "| cnn | fp32 | off | NCHW | 10 |" in table and table.count("| 1.00x |") >= 2  # each reference
+    assert "| cnn | fp32 | off | NCHW | off | 10 |" in table and table.count("| 1.00x |") >= 2  # each reference
 
 
 @pytest.mark.slow  # two processes, each importing torch and measuring: ~25 s

@@ -94,7 +94,7 @@ class PrototypeClient(NumPyClient):
         self.state = LocalState(store)
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
-        self.loss_parts: dict[str, list[torch.Tensor]] = {}
+        self.loss_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (sum, batches), on the device
 
     # --- hooks for methods --------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class PrototypeClient(NumPyClient):
         if statistics is not None:
             metrics |= statistics.to_metrics()
         metrics |= self.after_fit(statistics)
-        metrics |= {key: float(torch.stack(values).mean()) for key, values in self.loss_parts.items() if values}
+        metrics |= {key: float(total / batches) for key, (total, batches) in self.loss_parts.items()}
         self.state.save(config)
         return self.shared_arrays(), self.data.num_train, metrics
 
@@ -238,14 +238,29 @@ class PrototypeClient(NumPyClient):
         return torch.from_numpy(received.vectors).to(self.device), torch.from_numpy(received.mask).to(self.device)
 
     def record_loss(self, **parts: torch.Tensor) -> None:
-        """Loss parts of one mini-batch; each one's mean over the batches is uploaded as a metric."""
+        """Loss parts of one mini-batch; each one's mean over the batches is uploaded as a metric.
+        Summed on the device, without waiting for the host (a captured step replays the sums)."""
         for key, value in parts.items():
-            self.loss_parts.setdefault(key, []).append(value.detach())
+            if key not in self.loss_parts:  # in an eager step: a capture follows warm-up steps
+                self.loss_parts[key] = value.new_zeros(()), torch.zeros((), dtype=torch.long, device=value.device)
+            total, batches = self.loss_parts[key]
+            total.add_(value.detach())
+            batches.add_(1)
 
     def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
         """The training loop's arguments in ``config``'s round."""
         arguments = self.settings.train_arguments(server_round(config), round_seed(config, self.settings.seed))
+        if not self.capturable():
+            arguments["cuda_graphs"] = "off"
         return arguments | {"augment": self.augment}
+
+    def capturable(self) -> bool:
+        """Whether the training step with this method's ``batch_loss`` may be captured as a CUDA
+        graph (``cuda-graphs``): the loss never waits for the host (no ``.item()``, no shape that
+        depends on the data, e.g. a boolean mask) and changes no Python state per batch (loss
+        parts go through ``record_loss``). Default: only without a ``batch_loss``; a method that
+        meets both says so."""
+        return type(self).batch_loss is PrototypeClient.batch_loss
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, logits) of ``x`` in eval mode, with the run's ``amp`` and ``channels-last``."""

@@ -101,6 +101,9 @@ class FedProtoClient(PrototypeClient):
             return None
         return self.options.lambda_ * prototype_loss(features, labels, *self.received_prototypes)
 
+    def capturable(self):
+        return True  # prototype_loss: fixed shapes, no host sync
+
     def after_fit(self, statistics):
         if not self.options.average_parameters:
             self.store_personal_model()

@@ -227,6 +227,9 @@ class FedSAClient(PrototypeClient):
         classes, means = batch_class_means(features, labels)
         return (means - anchors[classes]).norm(dim=1).sum(), margin_contrastive_loss(means, classes, anchors, margin)
 
+    def capturable(self):
+        return self.options.loss_form == "sample"  # the paper's form takes the batch's classes (unique: a sync)
+
     def batch_loss(self, features, logits, labels):
         regularization, contrastive = self._regularization_and_contrastive(features, labels, self.anchors, self.margin)
         calibration = anchor_calibration_loss(self.model.head, self.anchors)

@@ -255,6 +255,9 @@ class FedSKCClient(PrototypeClient):
         warmup = self.options.lcl_warmup_rounds
         self.lcl_weight = self.options.lambda_lcl * (min(server_round(config) / warmup, 1.0) if warmup > 0 else 1.0)
 
+    def capturable(self):
+        return self.options.lcl_form == "code"  # the paper's form leaves out samples without knowledge (a sync)
+
     def batch_loss(self, features, logits, labels):
         if self.global_knowledge is None:
             return None  # round 1: CE only

@@ -10,6 +10,14 @@ Augmentation = Literal["none", "crop-flip"]
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
+def drawn_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU draws (a batch order, crop offsets) on ``device``; to a GPU from pinned memory without
+    waiting: a copy from pageable memory would wait for the GPU's queued work first."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 def crop_flip(x: torch.Tensor, generator: torch.Generator, fill: torch.Tensor, padding: int = 4) -> torch.Tensor:
     """Each image of the N x C x H x W batch padded by ``padding`` pixels of ``fill`` (per channel:
     a black pixel, normalised), cropped back to H x W at its own random offset, and flipped left to
@@ -18,13 +26,13 @@ def crop_flip(x: torch.Tensor, generator: torch.Generator, fill: torch.Tensor, p
     n, c, h, w = x.shape
     padded = fill.to(x.device, x.dtype).view(1, c, 1, 1).expand(n, c, h + 2 * padding, w + 2 * padding).clone()
     padded[:, :, padding : padding + h, padding : padding + w] = x
-    offsets = torch.randint(0, 2 * padding + 1, (2, n), generator=generator).to(x.device)
+    offsets = drawn_to(torch.randint(0, 2 * padding + 1, (2, n), generator=generator), x.device)
     rows = (offsets[0, :, None] + torch.arange(h, device=x.device))[:, None, :, None]
     cols = (offsets[1, :, None] + torch.arange(w, device=x.device))[:, None, None, :]
     images = torch.arange(n, device=x.device)[:, None, None, None]
     channels = torch.arange(c, device=x.device)[None, :, None, None]
     cropped = padded[images, channels, rows, cols]
-    flipped = (torch.rand(n, generator=generator) < 0.5).to(x.device)[:, None, None, None]
+    flipped = drawn_to(torch.rand(n, generator=generator) < 0.5, x.device)[:, None, None, None]
     return torch.where(flipped, cropped.flip(-1), cropped)
 
 
@@ -32,4 +40,11 @@ def make_augment(kind: Augmentation, fill: torch.Tensor) -> Augment | None:
     """The batch transform ``augment`` names (None for ``"none"``)."""
     if kind == "none":
         return None
-    return lambda x, generator: crop_flip(x, generator, fill)
+    fills: dict[torch.device, torch.Tensor] = {}  # copied to a device once, not per batch
+
+    def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if x.device not in fills:
+            fills[x.device] = fill.to(x.device)
+        return crop_flip(x, generator, fills[x.device])
+
+    return augment

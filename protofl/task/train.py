@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, Callable, Literal, get_args
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.task.augment import Augment
+from protofl.task.augment import Augment, drawn_to
 
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -34,6 +35,12 @@ AMPS = get_args(Amp)
 # memory order of the model and the image batches: channels-last, NCHW (False), or "auto": the
 # order the backbone trains faster in (SplitModel.channels_last_faster, measured per backbone)
 ChannelsLast = bool | Literal["auto"]
+# the full-batch training step captured as a CUDA graph and replayed ("auto": on CUDA; never on a
+# CPU), or every step launched eagerly ("off"); "static" runs the captured step's code with its
+# static buffers but without a graph, on any device (tests compare it with the plain loop)
+CudaGraphs = Literal["auto", "off", "static"]
+CUDA_GRAPHS = get_args(CudaGraphs)
+CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before the capture (lazy CUDA and optimizer state)
 
 
 def get_device() -> torch.device:
@@ -57,6 +64,7 @@ def train(
     augment: Augment | None = None,
     amp: Amp = "off",
     channels_last: ChannelsLast = False,
+    cuda_graphs: CudaGraphs = "off",
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
@@ -69,7 +77,9 @@ def train(
     ``amp="bf16"`` runs the forward pass and the loss under bfloat16 autocast (the weights, their
     gradients and the optimiser stay float32); ``channels_last`` keeps the model and 4-D batches in
     ``torch.channels_last`` memory format (``"auto"``: where the backbone trains faster so,
-    :func:`uses_channels_last`).
+    :func:`uses_channels_last`). ``cuda_graphs``: full batches through a :class:`CapturedStep`
+    (:func:`resolve_cuda_graphs`); ``extra_loss`` must then be capturable (see there). The loss is
+    summed on the device and read once, at the end.
     """
     autocast = _autocast(amp, x.device)
     channels_last = _to_channels_last(model, x, channels_last)
@@ -78,10 +88,29 @@ def train(
     optimizer = SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     n = len(y)
-    total = torch.zeros((), device=x.device)
+    total = torch.zeros((), device=x.device)  # the summed losses, on the device: no sync per step
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        with autocast:
+            features, logits = model(inputs)
+            loss = F.cross_entropy(logits, labels)
+            extra = extra_loss(features, logits, labels) if extra_loss is not None else None
+            if extra is not None:
+                loss = loss + extra
+        optimizer.zero_grad()
+        loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+        optimizer.step()
+        total.add_(loss.detach())
+
+    full_batches = epochs * (n // batch_size)
+    captured = (CapturedStep(step, static=resolve_cuda_graphs(cuda_graphs, x.device) == "static")
+                if resolve_cuda_graphs(cuda_graphs, x.device) != "off" and full_batches > CAPTURE_WARMUP_STEPS
+                else None)
     steps = 0
     for _ in range(epochs):
-        order = torch.randperm(n, generator=generator).to(x.device)
+        order = drawn_to(torch.randperm(n, generator=generator), x.device)
         for start in range(0, n, batch_size):
             batch = order[start : start + batch_size]
             if _skipped(len(batch), n, batch_size, partial_batch):
@@ -89,20 +118,93 @@ def train(
             inputs = x[batch] if augment is None else augment(x[batch], generator)
             if channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
-            with autocast:
-                features, logits = model(inputs)
-                loss = F.cross_entropy(logits, y[batch])
-                extra = extra_loss(features, logits, y[batch]) if extra_loss is not None else None
-                if extra is not None:
-                    loss = loss + extra
-            optimizer.zero_grad()
-            loss.backward()
-            if max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
-            optimizer.step()
-            total += loss.detach()
+            (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch])
             steps += 1
-    return float(total) / max(steps, 1)
+    mean_loss = float(total) / max(steps, 1)
+    if captured is not None:
+        optimizer.zero_grad()  # the gradients live in the graph's memory: none outlive it
+        captured.release()
+    return mean_loss
+
+
+def resolve_cuda_graphs(cuda_graphs: CudaGraphs, device: torch.device) -> Literal["off", "captured", "static"]:
+    """What ``cuda_graphs`` means on ``device``: ``"auto"`` captures on CUDA and is ``"off"`` elsewhere."""
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise ValueError(f"cuda-graphs must be one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
+    if cuda_graphs == "auto":
+        return "captured" if device.type == "cuda" else "off"
+    return cuda_graphs
+
+
+_uncapturable: set[str] = set()  # why captures failed, each logged once per process
+
+
+class CapturedStep:
+    """One training step for batches of one shape (``step(inputs, labels)``: forward, loss,
+    backward, clipping, the optimizer step, the loss summed on the device), captured once as a
+    CUDA graph and replayed for every later batch: each batch is copied into static input
+    tensors, and the graph updates the weights and the optimizer state in place.
+
+    The first :data:`CAPTURE_WARMUP_STEPS` calls run eagerly on a side stream (CUDA libraries and
+    the momentum buffers are set up lazily). What ``step`` computes from Python state must not
+    change between calls (the graph holds what it was at the capture), and it must not wait for
+    the host (a synchronising call fails the capture: the step then runs eagerly, and the reason is
+    logged once per process). ``static=True``: the same code without a graph (any device), each
+    call running ``step`` on the static tensors.
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], None], static: bool = False) -> None:
+        self.step, self.static = step, static
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: torch.Tensor | None = None
+        self.labels: torch.Tensor | None = None
+        self.eager = False  # the capture failed
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.calls += 1
+        if self.eager or (not self.static and self.calls <= CAPTURE_WARMUP_STEPS):
+            return self._on_side_stream(inputs, labels) if not self.eager else self.step(inputs, labels)
+        if self.inputs is None:
+            self.inputs, self.labels = inputs.clone(), labels.clone()  # keeps the memory format
+        else:
+            self.inputs.copy_(inputs)
+            self.labels.copy_(labels)
+        if self.static:
+            return self.step(self.inputs, self.labels)
+        if self.graph is None and not self._capture():
+            return self.step(inputs, labels)
+        self.graph.replay()
+
+    def _on_side_stream(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        side = torch.cuda.Stream(inputs.device)
+        side.wait_stream(torch.cuda.current_stream(inputs.device))
+        with torch.cuda.stream(side):
+            self.step(inputs, labels)
+        torch.cuda.current_stream(inputs.device).wait_stream(side)
+
+    def _capture(self) -> bool:
+        """Capture the step on the static tensors (nothing runs yet); False when it cannot be."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: clients training on other threads of this process may use CUDA meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.step(self.inputs, self.labels)
+        except RuntimeError as error:
+            self.eager = True
+            reason = str(error).splitlines()[0]
+            if reason not in _uncapturable:
+                _uncapturable.add(reason)
+                warnings.warn(f"cuda-graphs: the training step cannot be captured ({reason}); it runs eagerly",
+                              stacklevel=2)
+            return False
+        self.graph = graph
+        return True
+
+    def release(self) -> None:
+        """Free the graph, then its static tensors (a graph must never outlive what it reads)."""
+        self.graph = None
+        self.inputs = self.labels = None
 
 
 class SGD:
@@ -306,13 +408,18 @@ class FeatureSums:
         self.sums = torch.zeros(num_classes, dim, device=device)
         self.counts = torch.zeros(num_classes, dtype=torch.long, device=device)
         self.skip = skip
+        self.batches = torch.zeros((), dtype=torch.long, device=device)  # seen so far, counted on the device
 
     def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        if self.skip > 0:
-            self.skip -= 1
-            return
-        self.sums.index_add_(0, labels, features.detach().to(self.sums.dtype))
-        self.counts += torch.bincount(labels, minlength=len(self.counts))
+        """Count a batch, on the device and without waiting for the host (a captured step replays it)."""
+        counted = torch.ones_like(labels)
+        features = features.detach().to(self.sums.dtype)
+        if self.skip > 0:  # the batch counts once ``skip`` batches have gone by
+            counts = self.batches >= self.skip
+            features, counted = torch.where(counts, features, 0.0), counted * counts
+            self.batches.add_(1)
+        self.sums.index_add_(0, labels, features)
+        self.counts.index_add_(0, labels, counted)
 
     def means(self) -> np.ndarray:
         """C x d float32 mean features (the wire's dtype, whatever the sums'); zero rows for classes

@@ -1,0 +1,201 @@
+"""The training step captured as a CUDA graph (``cuda-graphs``): the captured step's code, with its
+static buffers and without a graph (``"static"``), trains exactly as the plain loop on any device;
+on CUDA (``pytest -m gpu``, skipped elsewhere) the captured step gives the eager step's numbers."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from inprocess import run_in_process
+from test_resume import assert_same_rounds
+
+import protofl.task.train as train_module
+from protofl.settings import ExperimentSettings
+from protofl.strategies import METHODS, get_method
+from protofl.task.augment import make_augment
+from protofl.task.models import build_model
+from protofl.task.train import FeatureSums, resolve_cuda_graphs, train
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device")
+
+
+def data(n=70, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 16, 16, generator=generator)
+    return x.to(device), (torch.arange(n) % 10).to(device)
+
+
+def trained(cuda_graphs, model="cnn", device="cpu", extra_loss=None, **kwargs):
+    """(weights, mean loss) of the CNN trained from its seeded init."""
+    net = build_model(model, 1, 10, 16, seed=0).to(device)
+    x, y = data(device=device)
+    arguments = {"epochs": 2, "batch_size": 16, "lr": 0.05, "seed": 1} | kwargs
+    loss = train(net, x, y, extra_loss=extra_loss, cuda_graphs=cuda_graphs, **arguments)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss
+
+
+def counted_steps(monkeypatch):
+    """A list that grows by one per step the captured step's object runs."""
+    calls = []
+    original = train_module.CapturedStep.__call__
+
+    def counting(self, inputs, labels):
+        calls.append(len(labels))
+        return original(self, inputs, labels)
+
+    monkeypatch.setattr(train_module.CapturedStep, "__call__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"momentum": 0.9, "weight_decay": 5e-4, "max_grad_norm": 1.0},
+    {"partial_batch": "keep", "momentum": 0.5},
+    {"augment": make_augment("crop-flip", torch.zeros(1))},
+], ids=["plain", "momentum-decay-clip", "partial-batch", "augment"])
+def test_the_captured_steps_code_without_a_graph_trains_as_the_plain_loop(monkeypatch, options):
+    steps = counted_steps(monkeypatch)
+    want_weights, want_loss = trained("off", **options)
+    assert steps == []
+    got_weights, got_loss = trained("static", **options)
+    # 70 samples in batches of 16: 4 full batches an epoch through the static step; the partial
+    # batch of 6 ("keep") runs the plain step
+    assert steps == [16] * 8
+    assert got_loss == want_loss
+    for name, tensor in want_weights.items():
+        assert torch.equal(got_weights[name], tensor), name
+
+
+def test_an_extra_loss_and_its_sums_on_the_device_train_as_in_the_plain_loop(monkeypatch):
+    def with_extra(cuda_graphs):
+        seen = FeatureSums(10, 512, torch.device("cpu"), skip=4)  # the last epoch's 4 batches only
+
+        def extra_loss(features, logits, labels):
+            seen.add(features, labels)
+            return 0.1 * features.pow(2).mean()
+
+        weights, loss = trained(cuda_graphs, extra_loss=extra_loss)
+        return weights, loss, seen
+
+    steps = counted_steps(monkeypatch)
+    want = with_extra("off")
+    got = with_extra("static")
+    assert len(steps) == 8 and got[1] == want[1]
+    assert all(torch.equal(got[0][k], v) for k, v in want[0].items())
+    assert torch.equal(got[2].sums, want[2].sums) and torch.equal(got[2].counts, want[2].counts)
+    assert int(got[2].counts.sum()) == 4 * 16
+
+
+def test_feature_sums_skip_their_first_batches_counting_on_the_device():
+    seen = FeatureSums(3, 2, torch.device("cpu"), skip=1)
+    seen.add(torch.tensor([[float("nan"), 1.0]]), torch.tensor([1]))  # skipped, even a NaN
+    seen.add(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 0]))
+    assert seen.counts.tolist() == [2, 0, 0] and int(seen.batches) == 2
+    assert seen.means().tolist() == [[2.0, 3.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_cuda_graphs_auto_captures_on_cuda_only():
+    assert resolve_cuda_graphs("auto", torch.device("cpu")) == "off"
+    assert resolve_cuda_graphs("auto", torch.device("cuda")) == "captured"
+    assert resolve_cuda_graphs("static", torch.device("cpu")) == "static"
+    with pytest.raises(ValueError, match="cuda-graphs must be one of"):
+        resolve_cuda_graphs("on", torch.device("cpu"))
+
+
+CAPTURABLE = {  # (method, its options) -> whether its training step may be captured
+    ("fedavg", ()): True,
+    ("fednh", ()): True,
+    ("fedproto", ()): True,
+    ("fedsa", ()): True,  # loss-form "sample"
+    ("fedsa", (("loss-form", "prototype"),)): False,  # the batch's classes: unique() waits for the host
+    ("fedskc", ()): False,  # the paper's LCL leaves out samples without knowledge (a data-dependent shape)
+    ("fedskc", (("lcl-form", "code"),)): True,
+    ("fedsc", ()): False,
+    ("fedcosr", ()): False,  # keeps a Python list of per-batch sums
+}
+
+
+def test_each_method_says_whether_its_step_may_be_captured():
+    from protofl.task.data import load_client_data
+
+    settings = ExperimentSettings(dataset="digits")
+    data = load_client_data("digits", "", settings.partition_spec(2), 0)
+    assert {method for method, _ in CAPTURABLE} == set(METHODS)
+    for (method, options), capturable in CAPTURABLE.items():
+        _, client_class = get_method(method)
+        client = client_class(ExperimentSettings(method=method, dataset="digits", options=dict(options)), data,
+                              build_model("cnn", 1, 10, 16, seed=0), 2, {})
+        assert client.capturable() is capturable, (method, options)
+        assert client.train_kwargs({"server-round": 1})["cuda_graphs"] == ("auto" if capturable else "off")
+
+
+RUN = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "batch-size": 32}
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedsa"])
+def test_a_run_through_the_captured_steps_code_equals_the_plain_run(tmp_path, monkeypatch, method):
+    """The client plumbing: prototypes received, loss parts and training-mode prototypes recorded
+    on the device, as in the plain loop (FedSA: its three loss parts and during-train prototypes)."""
+    steps = counted_steps(monkeypatch)
+    for name, graphs in (("off", "off"), ("static", "static")):
+        run_in_process(RUN | {"method": method, "output-dir": str(tmp_path), "run-name": name, "cuda-graphs": graphs},
+                       num_nodes=2)
+    assert steps, "the static step never ran"
+    assert_same_rounds(tmp_path / "static", tmp_path / "off")
+
+
+# --- on CUDA ------------------------------------------------------------------------------
+
+
+def captures(monkeypatch):
+    """A list of True (captured) / False (the capture failed) per capture attempted."""
+    done = []
+    original = train_module.CapturedStep._capture
+
+    def counting(self):
+        done.append(original(self))
+        return done[-1]
+
+    monkeypatch.setattr(train_module.CapturedStep, "_capture", counting)
+    return done
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", ["cnn", "resnet18", "tv-resnet18"])
+def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, model):
+    done = captures(monkeypatch)
+    options = {"momentum": 0.9, "weight_decay": 5e-4, "max_grad_norm": 10.0}
+    want_weights, want_loss = trained("off", model, "cuda", **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture warns
+        got_weights, got_loss = trained("auto", model, "cuda", **options)
+    assert done == [True]
+    assert got_loss == pytest.approx(want_loss, rel=1e-4)
+    for name, tensor in want_weights.items():
+        if tensor.is_floating_point():
+            torch.testing.assert_close(got_weights[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def rounds(path):
+    return json.loads((path / "results.json").read_text())["rounds"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_methods_captured_run_matches_its_eager_run_on_cuda(tmp_path, monkeypatch, method):
+    """3 rounds: float32 within float tolerance; bfloat16 autocast's PM within 0.5 points."""
+    done = captures(monkeypatch)
+    config = RUN | {"method": method, "output-dir": str(tmp_path), "num-server-rounds": 3}
+    for amp in ("off", "bf16"):
+        for graphs in ("off", "auto"):
+            run_in_process(config | {"amp": amp, "cuda-graphs": graphs, "run-name": f"{amp}-{graphs}"}, num_nodes=3)
+        eager, captured = rounds(tmp_path / f"{amp}-off"), rounds(tmp_path / f"{amp}-auto")
+        for a, b in zip(captured, eager):
+            assert abs(a["personalized_accuracy"] - b["personalized_accuracy"]) <= 0.005, (amp, a["round"])
+            if amp == "off":
+                assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3), a["round"]
+    assert all(done) and bool(done) == CAPTURABLE[(method, ())]
