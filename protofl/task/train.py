@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 from typing import Any, Callable, Literal, get_args
 
@@ -137,6 +138,7 @@ def resolve_cuda_graphs(cuda_graphs: CudaGraphs, device: torch.device) -> Litera
 
 
 _uncapturable: set[str] = set()  # why captures failed, each logged once per process
+_capturing = threading.Lock()
 
 
 class CapturedStep:
@@ -187,8 +189,10 @@ class CapturedStep:
         """Capture the step on the static tensors (nothing runs yet); False when it cannot be."""
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: clients training on other threads of this process may use CUDA meanwhile
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # a stream of its own (torch.cuda.graph's default is one per process) and one capture at
+            # a time; thread_local: clients on other threads of this process may use CUDA meanwhile
+            with _capturing, torch.cuda.graph(graph, stream=torch.cuda.Stream(self.inputs.device),
+                                              capture_error_mode="thread_local"):
                 self.step(self.inputs, self.labels)
         except RuntimeError as error:
             self.eager = True
