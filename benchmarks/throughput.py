@@ -49,12 +49,12 @@ from compare import machine_description, preset_overrides  # noqa: E402
 
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
 from protofl.task.augment import make_augment  # noqa: E402
+from protofl.task.capture import resolve_cuda_graphs  # noqa: E402
 from protofl.task.data import DATASETS, SHAPES, black_level  # noqa: E402
 from protofl.task.models import build_model, client_architecture  # noqa: E402
 from protofl.task.partition import client_split, partition_indices  # noqa: E402
 from protofl.task.sampling import client_seed  # noqa: E402
-from protofl.task.train import (  # noqa: E402
-    features_and_logits, get_device, resolve_amp, resolve_cuda_graphs, train, uses_channels_last)
+from protofl.task.train import features_and_logits, get_device, resolve_amp, train, uses_channels_last  # noqa: E402
 from protofl.task.weights import get_weights, set_weights  # noqa: E402
 
 
@@ -132,8 +132,9 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
     train_samples = sum(len(c[1]) for c in clients)
     eval_samples = sum(len(c[3]) for c in clients)
     return {label: {
-        "memory_format": "channels-last" if uses_channels_last(models[label][architectures[0]],
-                                                               variants[label].channels_last) else "NCHW",
+        "memory_format": "channels-last" if uses_channels_last(
+            models[label][architectures[0]], variants[label].channels_last, device, variants[label].cuda_graphs)
+        else "NCHW",
         "batch_size": batch_size,
         "train_samples_per_round": train_samples,
         "eval_samples_per_round": eval_samples,
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 for label, overrides in variants.items()}
             measured = measure(settings, clients, batch_size, args.rounds, device)
             results += [{"model": model, "variant": label, "overrides": variants[label], "amp": s.amp,
-                         "autocast": resolve_amp(s.amp, device), "channels_last": s.channels_last,
+                         "autocast": resolve_amp(s.amp, device, s.cuda_graphs), "channels_last": s.channels_last,
                          "step": resolve_cuda_graphs(s.cuda_graphs, device), **measured[label]}
                         for label, s in settings.items()]
     channels, size, _, _ = SHAPES[base_settings.dataset]

@@ -54,12 +54,13 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         device = get_device()
         data = node_data(settings, context.node_config, str(device))
         model = build_method_model(settings, data, str(context.node_config.get("model", "")) or None)
-        announce(settings, device, model)
         _, client_class = get_method(settings.method)
         num_partitions = int(context.node_config["num-partitions"])
         state_dir = str(context.node_config.get("state-dir", settings.state_dir))
         store = ClientStateStore(context.state, data.partition_id, state_dir)
-        return client_class(settings, data, model, num_partitions, store).to_client()
+        client = client_class(settings, data, model, num_partitions, store)
+        announce(client.precision, device, model)
+        return client.to_client()
 
     return client_fn
 
@@ -82,13 +83,14 @@ def use_threads(node_config: Mapping[str, Any]) -> None:
 _announced: set[tuple] = set()
 
 
-def announce(settings: ExperimentSettings, device: torch.device, model: torch.nn.Module) -> None:
-    """Log once per process how this ClientApp computes: device, threads, precision, memory format."""
-    precision = compute_description(settings.amp, settings.channels_last, device, model)
-    key = tuple(sorted(precision.items()))
+def announce(precision: Mapping[str, Any], device: torch.device, model: torch.nn.Module) -> None:
+    """Log once per process how this ClientApp computes: device, threads, precision, memory format,
+    training step (``precision``: the client's ``amp``, ``channels_last``, ``cuda_graphs``)."""
+    described = compute_description(device=device, model=model, **precision)
+    key = tuple(sorted(described.items()))
     if key not in _announced:
         _announced.add(key)
-        log(INFO, "protofl ClientApp: %s", ", ".join(f"{k} {v}" for k, v in precision.items()))
+        log(INFO, "protofl ClientApp: %s", ", ".join(f"{k} {v}" for k, v in described.items()))
 
 
 def node_data(settings: ExperimentSettings, node_config: Mapping[str, Any], device: str) -> ClientData:

@@ -116,7 +116,7 @@ def make_server_fn(
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict(), tracking)
-        recorder.extra["compute"] = compute_description(settings.amp, settings.channels_last, get_device(), model)
+        recorder.extra["compute"] = compute_description(device=get_device(), model=model, **settings.precision)
         log(INFO, "protofl: the server computes with %s (each ClientApp logs its own)",
             ", ".join(f"{k} {v}" for k, v in recorder.extra["compute"].items()))
         strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes,

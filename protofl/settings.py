@@ -27,7 +27,8 @@ from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
 from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
-from protofl.task.train import Amp, BatchNormStats, ChannelsLast, CudaGraphs, PartialBatch
+from protofl.task.capture import CudaGraphs
+from protofl.task.train import Amp, BatchNormStats, ChannelsLast, PartialBatch
 from protofl.tracking import tracker_names
 
 EvaluateClients = Literal["sampled", "all"]
@@ -307,15 +308,15 @@ class ExperimentSettings:
             "weight_decay": self.weight_decay,
             "max_grad_norm": self.max_grad_norm,
             "seed": seed,
-            "cuda_graphs": self.cuda_graphs,
             **self.precision,
         }
 
     @property
     def precision(self) -> dict[str, Any]:
-        """``amp`` and ``channels_last``, as every forward pass of the run takes them (training, the
-        prototype and scoring passes, BatchNorm recomputation, the server's global model)."""
-        return {"amp": self.amp, "channels_last": self.channels_last}
+        """``amp``, ``channels_last`` and ``cuda_graphs`` (on CUDA, "auto" depends on whether training
+        steps are captured), as every forward pass of the run takes them (training, the prototype
+        and scoring passes, BatchNorm recomputation, the server's global model)."""
+        return {"amp": self.amp, "channels_last": self.channels_last, "cuda_graphs": self.cuda_graphs}
 
     def partition_spec(self, num_partitions: int) -> PartitionSpec:
         return PartitionSpec(

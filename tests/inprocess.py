@@ -61,5 +61,9 @@ def _run(run_config, num_nodes, node_class):
         context = Context(run_id=1, node_id=100 + p, node_config=node_config, state=RecordDict(), run_config={})
         proxy = (node_class(p) if node_class else InProcessProxy)(str(1000 + p), client_fn, context, messages)
         server.client_manager().register(proxy)
+    if torch.cuda.is_available():
+        # one client at a time on a GPU, as a Ray actor or a SuperNode runs them: CUDA work on other
+        # threads while one captures its training step broke the capture (cuDNN internal errors)
+        server.set_max_workers(1)
     server.fit(components.config.num_rounds, None)
     return server.strategy, messages

@@ -149,9 +149,23 @@ def test_auto_is_bf16_only_on_a_cpu_with_native_bf16_and_then_trains_as_that(mon
 
 
 @pytest.mark.parametrize("capability, expected", [((7, 5), "off"), ((8, 0), "bf16"), ((9, 0), "bf16")])
-def test_auto_on_cuda_is_bf16_from_compute_capability_8(monkeypatch, capability, expected):
+def test_auto_on_cuda_is_bf16_from_compute_capability_8_with_captured_steps_only(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert resolve_amp("auto", torch.device("cuda")) == expected
+    cuda = torch.device("cuda")
+    assert resolve_amp("auto", cuda) == resolve_amp("auto", cuda, "auto") == expected
+    assert resolve_amp("auto", cuda, "off") == "off"  # eager steps: bf16 trained slower than float32
+    assert resolve_amp("bf16", cuda, "off") == "bf16"  # explicit: as written
+
+
+@pytest.mark.parametrize("name", ["tv-resnet18", "tv-mobilenetv2"])  # channels-last faster on CUDA, slower
+def test_auto_on_cuda_puts_a_backbone_in_channels_last_order_as_measured_there_with_captured_steps(name):
+    from protofl.task.models import CHANNELS_LAST_FASTER_CUDA
+    from protofl.task.train import uses_channels_last
+
+    model, cuda = build_model(name, CHANNELS, CLASSES, SIZE, seed=0), torch.device("cuda")
+    assert uses_channels_last(model, "auto", cuda) == (name in CHANNELS_LAST_FASTER_CUDA) == (name == "tv-resnet18")
+    assert not uses_channels_last(model, "auto", cuda, "off")  # eager CUDA steps: NCHW
+    assert uses_channels_last(model, True, cuda, "off")  # explicit: as written
 
 
 def test_batchnorm_statistics_are_recomputed_in_the_eval_pass_precision_and_format():
@@ -196,7 +210,7 @@ def test_a_run_records_how_it_computes_and_the_server_scores_the_global_model_wi
         assert compute["amp"] == amp and compute["autocast"] == resolve_amp(amp, torch.device("cpu"))
         assert compute["channels_last"] == "auto" and compute["memory_format"] == "channels-last"  # the CNN's
         assert compute["device"] == "cpu" and compute["threads"] >= 1
-        assert scored[-1] == {"amp": amp, "channels_last": "auto"}
+        assert scored[-1] == {"amp": amp, "channels_last": "auto", "cuda_graphs": "auto"}
 
 
 def test_bf16_training_on_concurrent_threads_gives_what_it_gives_alone():

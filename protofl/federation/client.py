@@ -12,7 +12,7 @@ entries, the training size and the metrics go up.
 the local test split (and, with ``global-test-pm``, on the global test set).
 
 Hooks (see docs/adding-a-method.md): ``options_class``, ``receive``, ``batch_loss``,
-``prototype_vectors``, ``local_statistics``, ``after_fit``, ``prepare_evaluation``,
+``capturable``, ``prototype_vectors``, ``local_statistics``, ``after_fit``, ``prepare_evaluation``,
 ``predictors``; the method's options ``prototype_pass`` and ``inference``, when it has them, choose
 where class statistics come from and which predictor is reported. Helpers: ``load_shared``, ``restore_personal_model`` /
 ``store_personal_model`` (a model kept on the node across rounds), ``received`` /
@@ -50,6 +50,7 @@ from protofl.federation.wire import (
 )
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.augment import make_augment
+from protofl.task.capture import DeviceMeans
 from protofl.task.data import ClientData, black_level
 from protofl.task.models import SplitModel
 from protofl.task.train import (
@@ -72,14 +73,8 @@ class PrototypeClient(NumPyClient):
 
     options_class: type[MethodOptions] = MethodOptions
 
-    def __init__(
-        self,
-        settings: ExperimentSettings,
-        data: ClientData,
-        model: SplitModel,
-        num_partitions: int,
-        store: ClientStateStore | Any,
-    ) -> None:
+    def __init__(self, settings: ExperimentSettings, data: ClientData, model: SplitModel, num_partitions: int,
+                 store: ClientStateStore | Any) -> None:
         """``store``: what this node keeps for its partition across rounds (a Flower
         ``context.state`` is kept in memory)."""
         self.settings = settings
@@ -94,7 +89,9 @@ class PrototypeClient(NumPyClient):
         self.state = LocalState(store)
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
-        self.loss_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (sum, batches), on the device
+        self.loss_parts = DeviceMeans()
+        # amp, channels_last, cuda_graphs of the training and eval passes: no capture unless capturable
+        self.precision = settings.precision | ({} if self.capturable() else {"cuda_graphs": "off"})
 
     # --- hooks for methods --------------------------------------------------------------
 
@@ -106,6 +103,12 @@ class PrototypeClient(NumPyClient):
     def batch_loss(self, features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The method's loss added to the cross-entropy of one training mini-batch; None: nothing."""
         return None
+
+    def capturable(self) -> bool:
+        """Whether the step with ``batch_loss`` may be a CUDA graph: the loss never waits for the host
+        (``.item()``, data-dependent shapes) and keeps no Python state per batch (``record_loss``
+        does not). Asked once, when the client is made. Default: only without a ``batch_loss``."""
+        return type(self).batch_loss is PrototypeClient.batch_loss
 
     def prototype_vectors(self, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The vectors whose per-class means are the class statistics (default: the features, or the
@@ -147,7 +150,7 @@ class PrototypeClient(NumPyClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
         evaluated = self.evaluate_before_training(parameters, config) if EVALUATE_ROUND in config else {}
-        self.loss_parts = {}
+        self.loss_parts = DeviceMeans()
         self.state.use(config, server_round(config))  # as it was before this round
         self.receive(parameters, config)
         seen = self.prototype_collector()
@@ -155,7 +158,7 @@ class PrototypeClient(NumPyClient):
                      **self.train_kwargs(config))
         if self.recompute_batchnorm():  # in the eval pass's precision and memory format
             recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed),
-                                      **self.settings.precision)
+                                      **self.precision)
         metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)} | evaluated
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
         if statistics is not None and self.settings.dp_noise > 0:
@@ -163,7 +166,7 @@ class PrototypeClient(NumPyClient):
         if statistics is not None:
             metrics |= statistics.to_metrics()
         metrics |= self.after_fit(statistics)
-        metrics |= {key: float(total / batches) for key, (total, batches) in self.loss_parts.items()}
+        metrics |= self.loss_parts.means()
         self.state.save(config)
         return self.shared_arrays(), self.data.num_train, metrics
 
@@ -238,33 +241,17 @@ class PrototypeClient(NumPyClient):
         return torch.from_numpy(received.vectors).to(self.device), torch.from_numpy(received.mask).to(self.device)
 
     def record_loss(self, **parts: torch.Tensor) -> None:
-        """Loss parts of one mini-batch; each one's mean over the batches is uploaded as a metric.
-        Summed on the device, without waiting for the host (a captured step replays the sums)."""
-        for key, value in parts.items():
-            if key not in self.loss_parts:  # in an eager step: a capture follows warm-up steps
-                self.loss_parts[key] = value.new_zeros(()), torch.zeros((), dtype=torch.long, device=value.device)
-            total, batches = self.loss_parts[key]
-            total.add_(value.detach())
-            batches.add_(1)
+        """Loss parts of one mini-batch; each one's mean over the batches is uploaded as a metric."""
+        self.loss_parts.add(**parts)
 
     def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
         """The training loop's arguments in ``config``'s round."""
         arguments = self.settings.train_arguments(server_round(config), round_seed(config, self.settings.seed))
-        if not self.capturable():
-            arguments["cuda_graphs"] = "off"
-        return arguments | {"augment": self.augment}
-
-    def capturable(self) -> bool:
-        """Whether the training step with this method's ``batch_loss`` may be captured as a CUDA
-        graph (``cuda-graphs``): the loss never waits for the host (no ``.item()``, no shape that
-        depends on the data, e.g. a boolean mask) and changes no Python state per batch (loss
-        parts go through ``record_loss``). Default: only without a ``batch_loss``; a method that
-        meets both says so."""
-        return type(self).batch_loss is PrototypeClient.batch_loss
+        return arguments | self.precision | {"augment": self.augment}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, logits) of ``x`` in eval mode, with the run's ``amp`` and ``channels-last``."""
-        return features_and_logits(self.model, x, **self.settings.precision)
+        return features_and_logits(self.model, x, **self.precision)
 
     def recompute_batchnorm(self) -> bool:
         """Whether the BatchNorm statistics are recomputed after local training (``batchnorm-stats``)."""

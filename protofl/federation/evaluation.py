@@ -30,19 +30,21 @@ from protofl.federation.wire import (
 from protofl.report import RunRecorder, personalized_stats, progress_line
 from protofl.settings import is_int, is_number
 from protofl.task.models import SplitModel
+from protofl.task.capture import CudaGraphs
 from protofl.task.train import Amp, ChannelsLast, features_and_logits, head_loss_and_correct
 from protofl.task.weights import set_weights
 
 
 def global_model_scores(
     model: SplitModel, weights: list[np.ndarray], test: tuple[torch.Tensor, torch.Tensor], *, amp: Amp = "off",
-    channels_last: ChannelsLast = False,
+    channels_last: ChannelsLast = False, cuda_graphs: CudaGraphs = "off",
 ) -> tuple[float, float]:
-    """GM: (loss, accuracy) of ``model`` with ``weights`` on the global test set (``amp`` and
-    ``channels_last``: the run's, as the clients score)."""
+    """GM: (loss, accuracy) of ``model`` with ``weights`` on the global test set (``amp``,
+    ``channels_last`` and ``cuda_graphs``: the run's, as the clients score)."""
     set_weights(model, weights)
     x, y = test
-    _, logits = features_and_logits(model.to(x.device), x, amp=amp, channels_last=channels_last)
+    _, logits = features_and_logits(model.to(x.device), x, amp=amp, channels_last=channels_last,
+                                    cuda_graphs=cuda_graphs)
     loss, correct = head_loss_and_correct(logits, y)
     return loss, correct / len(y)
 

@@ -18,10 +18,11 @@ from torch.overrides import TorchFunctionMode
 
 
 class SplitModel(nn.Module):
-    """body -> features -> head -> logits. ``channels_last_faster``: whether the backbone trains
-    faster with its image batches in channels-last memory order (``channels-last="auto"``)."""
+    """body -> features -> head -> logits. ``channels_last_faster``: the kinds of device ("cpu",
+    "cuda") on which the backbone trains faster with its image batches in channels-last memory
+    order (``channels-last="auto"``)."""
 
-    channels_last_faster = False
+    channels_last_faster: frozenset[str] = frozenset()
 
     def __init__(self, body: nn.Module, head: nn.Module, feature_dim: int) -> None:
         super().__init__()
@@ -236,6 +237,12 @@ MODELS = {
 # slower in it; the others are unmeasured and stay NCHW.
 CHANNELS_LAST_FASTER = frozenset({"cnn", "fednh-cnn", "resnet8-x4", "resnet10", "resnet18", "tv-googlenet",
                                   "tv-mobilenetv2"})
+# On CUDA, with captured training steps and bfloat16 autocast (amp="auto" there), on an H200 at batch
+# 64 on CIFAR's shapes: channels-last 1.06-1.39x faster than NCHW for these (docs/results/gpu.md);
+# tv-mobilenetv2 (0.96x) and resnet18-gn (0.92x) stay NCHW, tv-resnet101/152 are unmeasured. Eager
+# CUDA steps run NCHW float32 (channels-last was 0.95-0.99x for the CNNs and GoogLeNet).
+CHANNELS_LAST_FASTER_CUDA = frozenset({"cnn", "fednh-cnn", "resnet8-x4", "resnet10", "resnet18", "tv-googlenet",
+                                       "tv-resnet10", "tv-resnet18", "tv-resnet34", "tv-resnet50"})
 
 # FedSA's (and FedTGP's) model-heterogeneous settings: client i gets architecture i mod X.
 MODEL_FAMILIES = {
@@ -291,5 +298,6 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int, 
         raise ValueError(f"model must be one of {known}, got {name!r}")
     with SeededDraws(seed):
         model = MODELS[name](in_channels, num_classes, image_size)
-    model.channels_last_faster = name in CHANNELS_LAST_FASTER
+    model.channels_last_faster = frozenset(
+        device for device, faster in (("cpu", CHANNELS_LAST_FASTER), ("cuda", CHANNELS_LAST_FASTER_CUDA)) if name in faster)
     return model

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
-import warnings
 from typing import Any, Callable, Literal, get_args
 
 import numpy as np
@@ -14,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.task.augment import Augment, drawn_to
+from protofl.task.capture import CAPTURE_WARMUP_STEPS, CapturedStep, CudaGraphs, resolve_cuda_graphs
 
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -36,12 +35,6 @@ AMPS = get_args(Amp)
 # memory order of the model and the image batches: channels-last, NCHW (False), or "auto": the
 # order the backbone trains faster in (SplitModel.channels_last_faster, measured per backbone)
 ChannelsLast = bool | Literal["auto"]
-# the full-batch training step captured as a CUDA graph and replayed ("auto": on CUDA; never on a
-# CPU), or every step launched eagerly ("off"); "static" runs the captured step's code with its
-# static buffers but without a graph, on any device (tests compare it with the plain loop)
-CudaGraphs = Literal["auto", "off", "static"]
-CUDA_GRAPHS = get_args(CudaGraphs)
-CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before the capture (lazy CUDA and optimizer state)
 
 
 def get_device() -> torch.device:
@@ -82,8 +75,8 @@ def train(
     (:func:`resolve_cuda_graphs`); ``extra_loss`` must then be capturable (see there). The loss is
     summed on the device and read once, at the end.
     """
-    autocast = _autocast(amp, x.device)
-    channels_last = _to_channels_last(model, x, channels_last)
+    autocast = _autocast(amp, x.device, cuda_graphs)
+    channels_last = _to_channels_last(model, x, channels_last, cuda_graphs)
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -126,89 +119,6 @@ def train(
         optimizer.zero_grad()  # the gradients live in the graph's memory: none outlive it
         captured.release()
     return mean_loss
-
-
-def resolve_cuda_graphs(cuda_graphs: CudaGraphs, device: torch.device) -> Literal["off", "captured", "static"]:
-    """What ``cuda_graphs`` means on ``device``: ``"auto"`` captures on CUDA and is ``"off"`` elsewhere."""
-    if cuda_graphs not in CUDA_GRAPHS:
-        raise ValueError(f"cuda-graphs must be one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
-    if cuda_graphs == "auto":
-        return "captured" if device.type == "cuda" else "off"
-    return cuda_graphs
-
-
-_uncapturable: set[str] = set()  # why captures failed, each logged once per process
-_capturing = threading.Lock()
-
-
-class CapturedStep:
-    """One training step for batches of one shape (``step(inputs, labels)``: forward, loss,
-    backward, clipping, the optimizer step, the loss summed on the device), captured once as a
-    CUDA graph and replayed for every later batch: each batch is copied into static input
-    tensors, and the graph updates the weights and the optimizer state in place.
-
-    The first :data:`CAPTURE_WARMUP_STEPS` calls run eagerly on a side stream (CUDA libraries and
-    the momentum buffers are set up lazily). What ``step`` computes from Python state must not
-    change between calls (the graph holds what it was at the capture), and it must not wait for
-    the host (a synchronising call fails the capture: the step then runs eagerly, and the reason is
-    logged once per process). ``static=True``: the same code without a graph (any device), each
-    call running ``step`` on the static tensors.
-    """
-
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], None], static: bool = False) -> None:
-        self.step, self.static = step, static
-        self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: torch.Tensor | None = None
-        self.labels: torch.Tensor | None = None
-        self.eager = False  # the capture failed
-
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        self.calls += 1
-        if self.eager or (not self.static and self.calls <= CAPTURE_WARMUP_STEPS):
-            return self._on_side_stream(inputs, labels) if not self.eager else self.step(inputs, labels)
-        if self.inputs is None:
-            self.inputs, self.labels = inputs.clone(), labels.clone()  # keeps the memory format
-        else:
-            self.inputs.copy_(inputs)
-            self.labels.copy_(labels)
-        if self.static:
-            return self.step(self.inputs, self.labels)
-        if self.graph is None and not self._capture():
-            return self.step(inputs, labels)
-        self.graph.replay()
-
-    def _on_side_stream(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        side = torch.cuda.Stream(inputs.device)
-        side.wait_stream(torch.cuda.current_stream(inputs.device))
-        with torch.cuda.stream(side):
-            self.step(inputs, labels)
-        torch.cuda.current_stream(inputs.device).wait_stream(side)
-
-    def _capture(self) -> bool:
-        """Capture the step on the static tensors (nothing runs yet); False when it cannot be."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # a stream of its own (torch.cuda.graph's default is one per process) and one capture at
-            # a time; thread_local: clients on other threads of this process may use CUDA meanwhile
-            with _capturing, torch.cuda.graph(graph, stream=torch.cuda.Stream(self.inputs.device),
-                                              capture_error_mode="thread_local"):
-                self.step(self.inputs, self.labels)
-        except RuntimeError as error:
-            self.eager = True
-            reason = str(error).splitlines()[0]
-            if reason not in _uncapturable:
-                _uncapturable.add(reason)
-                warnings.warn(f"cuda-graphs: the training step cannot be captured ({reason}); it runs eagerly",
-                              stacklevel=2)
-            return False
-        self.graph = graph
-        return True
-
-    def release(self) -> None:
-        """Free the graph, then its static tensors (a graph must never outlive what it reads)."""
-        self.graph = None
-        self.inputs = self.labels = None
 
 
 class SGD:
@@ -259,54 +169,67 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
-def resolve_amp(amp: Amp, device: torch.device) -> Literal["off", "bf16"]:
-    """What ``amp`` means on ``device``: ``"auto"`` is ``"bf16"`` where :func:`native_bf16`, else ``"off"``."""
+def resolve_amp(amp: Amp, device: torch.device, cuda_graphs: CudaGraphs = "auto") -> Literal["off", "bf16"]:
+    """What ``amp`` means on ``device``: ``"auto"`` is ``"bf16"`` where :func:`native_bf16`, else
+    ``"off"``; on CUDA only with captured training steps (``cuda_graphs``): launched eagerly, bf16
+    autocast trained slower than float32 on an H200 (docs/results/gpu.md)."""
     if amp not in AMPS:
         raise ValueError(f"amp must be one of {AMPS}, got {amp!r}")
     if amp == "auto":
-        return "bf16" if native_bf16(device) else "off"
+        return "bf16" if native_bf16(device) and _captures_on_cuda_or_cpu(device, cuda_graphs) else "off"
     return amp
 
 
-def uses_channels_last(model: nn.Module, channels_last: ChannelsLast) -> bool:
-    """Whether ``model``'s image batches go channels-last: as ``channels_last`` says, or for
-    ``"auto"`` where the backbone measured faster so (its ``channels_last_faster``)."""
+def uses_channels_last(model: nn.Module, channels_last: ChannelsLast, device: torch.device = torch.device("cpu"),
+                       cuda_graphs: CudaGraphs = "auto") -> bool:
+    """Whether ``model``'s image batches go channels-last on ``device``: as ``channels_last`` says,
+    or for ``"auto"`` where the backbone measured faster so on that kind of device (its
+    ``channels_last_faster``; on CUDA: with captured training steps, else NCHW)."""
     if channels_last == "auto":
-        return bool(getattr(model, "channels_last_faster", False))
+        return (device.type in getattr(model, "channels_last_faster", ())
+                and _captures_on_cuda_or_cpu(device, cuda_graphs))
     return bool(channels_last)
 
 
+def _captures_on_cuda_or_cpu(device: torch.device, cuda_graphs: CudaGraphs) -> bool:
+    """Where the "auto" precision and memory format hold: any device but CUDA, and CUDA with
+    captured steps (eager CUDA steps run float32 NCHW, the plain setting)."""
+    return device.type != "cuda" or resolve_cuda_graphs(cuda_graphs, device) == "captured"
+
+
 def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.device,
-                        model: nn.Module | None = None) -> dict[str, Any]:
-    """How a run with ``amp`` and ``channels_last`` computes on ``device`` (logged, and recorded in
-    results.json): the device, torch's threads on a CPU, the autocast dtype and the memory format
-    (of ``model``, when given)."""
+                        model: nn.Module | None = None, cuda_graphs: CudaGraphs = "auto") -> dict[str, Any]:
+    """How a run with ``amp``, ``channels_last`` and ``cuda_graphs`` computes on ``device`` (logged,
+    and recorded in results.json): the device, torch's threads on a CPU, the autocast dtype, the
+    memory format (of ``model``, when given) and the training step."""
     described: dict[str, Any] = {"device": device.type}
     if device.type == "cpu":
         described |= {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     else:
         described["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    described |= {"amp": amp, "autocast": resolve_amp(amp, device), "native_bf16": native_bf16(device),
+    described |= {"amp": amp, "autocast": resolve_amp(amp, device, cuda_graphs), "native_bf16": native_bf16(device),
                   "channels_last": channels_last}
     if model is not None:
-        described["memory_format"] = "channels-last" if uses_channels_last(model, channels_last) else "NCHW"
+        described["memory_format"] = ("channels-last" if uses_channels_last(model, channels_last, device, cuda_graphs)
+                                      else "NCHW")
+    described["training_step"] = resolve_cuda_graphs(cuda_graphs, device)
     return described
 
 
-def _autocast(amp: Amp, device: torch.device) -> contextlib.AbstractContextManager:
+def _autocast(amp: Amp, device: torch.device, cuda_graphs: CudaGraphs) -> contextlib.AbstractContextManager:
     """The autocast context ``amp`` names on ``device`` (none for float32)."""
-    if resolve_amp(amp, device) == "off":
+    if resolve_amp(amp, device, cuda_graphs) == "off":
         return contextlib.nullcontext()
     # no cache of cast weights: torch keeps one per process, and clients training on a process's
     # threads at once (Flower's thread pool) read each other's entries
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
-def _to_channels_last(model: nn.Module, x: torch.Tensor, channels_last: ChannelsLast) -> bool:
+def _to_channels_last(model: nn.Module, x: torch.Tensor, channels_last: ChannelsLast, cuda_graphs: CudaGraphs) -> bool:
     """Moves ``model`` to channels_last when asked (:func:`uses_channels_last`) and ``x`` is a batch
     of images (4-D); returns whether the batches go channels_last too."""
-    if uses_channels_last(model, channels_last) and x.dim() == 4:
+    if uses_channels_last(model, channels_last, x.device, cuda_graphs) and x.dim() == 4:
         model.to(memory_format=torch.channels_last)
         return True
     return False
@@ -337,11 +260,12 @@ def stale_batchnorm(model: nn.Module, steps: int, tolerance: float = 0.01) -> bo
 
 @torch.no_grad()
 def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, chunk_size: int = 1024, *,
-                              amp: Amp = "off", channels_last: ChannelsLast = False) -> None:
+                              amp: Amp = "off", channels_last: ChannelsLast = False,
+                              cuda_graphs: CudaGraphs = "off") -> None:
     """Replace the running mean and variance of every BatchNorm layer by those of ``x`` under the
     model's current weights: one no-grad pass with only the BatchNorm layers in training mode,
     over a seeded shuffle of ``x`` in chunks of near-equal size (each chunk counts equally), in the
-    precision and memory format of the eval pass (``amp``, ``channels_last`` as in :func:`train`).
+    precision and memory format of the eval pass (``amp``, ``channels_last``, ``cuda_graphs`` as in :func:`train`).
 
     The running averages of training lag the weights: after a few steps they are still mostly the
     initial ones, and an eval-mode pass through a deep network can be off by orders of magnitude.
@@ -349,8 +273,8 @@ def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, 
     norms = _batchnorms(model)
     if not norms or len(x) < 2:
         return
-    autocast = _autocast(amp, x.device)
-    channels_last = _to_channels_last(model, x, channels_last)
+    autocast = _autocast(amp, x.device, cuda_graphs)
+    channels_last = _to_channels_last(model, x, channels_last, cuda_graphs)
     was_training = model.training
     kept = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
     model.eval()
@@ -370,15 +294,15 @@ def recompute_batchnorm_stats(model: nn.Module, x: torch.Tensor, seed: int = 0, 
 
 def features_and_logits(
     model: nn.Module, x: torch.Tensor, batch_size: int = 1024, *, amp: Amp = "off",
-    channels_last: ChannelsLast = False,
+    channels_last: ChannelsLast = False, cuda_graphs: CudaGraphs = "off",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eval-mode forward pass over ``x`` in chunks under ``torch.inference_mode`` (``amp`` and
-    ``channels_last`` as in :func:`train`). The outputs are in the weights' dtype (float32; bfloat16
+    """Eval-mode forward pass over ``x`` in chunks under ``torch.inference_mode`` (``amp``,
+    ``channels_last`` and the training step they go with, ``cuda_graphs``, as in :func:`train`). The outputs are in the weights' dtype (float32; bfloat16
     autocast's outputs are cast back), need no grad, and are ordinary tensors (joined outside
     inference mode), so later autograd may use them as constants."""
     dtype = next(model.parameters()).dtype
-    autocast = _autocast(amp, x.device)
-    channels_last = _to_channels_last(model, x, channels_last)  # outside inference mode: the weights stay trainable
+    autocast = _autocast(amp, x.device, cuda_graphs)
+    channels_last = _to_channels_last(model, x, channels_last, cuda_graphs)  # outside inference mode: the weights stay trainable
     model.eval()
     features, logits = [], []
     with torch.inference_mode():

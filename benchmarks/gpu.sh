@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The measurements of docs/results/gpu.md on a CUDA machine, from the project root:
+#   throughput: tv-resnet18, the CIFAR ResNet-18 and the CNN on CIFAR-10's shapes, fp32 eager
+#               against the defaults eager and captured, batch 64 (8 clients) and 10 (2 clients),
+#               1,875 training samples per client (CIFAR-10 over 20 clients, less the test split)
+#   tests:      pytest -m gpu tests/test_capture.py (captured steps against eager ones)
+#   sweep:      every backbone at batch 64, fp32 eager against bf16 captured, NCHW and channels-last
+# Usage: OUT=<folder> bash benchmarks/gpu.sh [throughput|tests|sweep|all]  (tables and logs under $OUT)
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# an offline GPU machine: the wheels and set-up brought along (see DEVELOPERS.md)
+[ -f .gpu/setup_env.sh ] && [ "${SETUP:-yes}" != skip ] && source .gpu/setup_env.sh .gpu-wheels
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'"
+          --variant "defaults-eager=cuda-graphs='off'"
+          --variant "fp32-captured=amp='off' channels-last=false"
+          --variant "bf16-nchw-captured=amp='bf16' channels-last=false"
+          --variant "bf16-cl-captured=amp='bf16' channels-last=true")
+measure() {  # batch size, clients, data fraction, rounds
+  for model in ${MODELS:-tv-resnet18 resnet18 cnn}; do
+    timeout ${MODEL_TIMEOUT:-60} python3 benchmarks/throughput.py \
+      --run-config "dataset='cifar10' partition='iid' data-fraction=$3 ${EXTRA:-}" --num-clients "$2" \
+      --batch-sizes "$1" --rounds "$4" --models "$model" "${variants[@]}" --out "/tmp/tp/$1-$model" 2>&1 \
+      | grep -v " round [0-9]" | grep -v "^written" | tee -a "$OUT/throughput-bs$1.md"
+    cat "/tmp/tp/$1-$model/throughput.json" >> "$OUT/throughput.jsonl" 2>/dev/null
+  done
+}
+if [ "$what" = throughput ] || [ "$what" = all ]; then
+  measure 64 8 0.4 2
+  measure 10 2 0.1 1
+fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -m gpu tests/test_capture.py -q -p no:cacheprovider --durations=12 \
+    > "$OUT/gpu-tests.txt" 2>&1
+  echo "pytest exit $?" >> "$OUT/gpu-tests.txt"; grep -E "passed|failed|error|exit|Fatal|Error" "$OUT/gpu-tests.txt" | head -20
+fi
+if [ "$what" = sweep ] || [ "$what" = all ]; then  # every backbone at batch 64, 4 clients of 2,500 samples
+  variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'"
+            --variant "fp32-cl-eager=amp='off' channels-last=true cuda-graphs='off'"
+            --variant "bf16-nchw-captured=amp='bf16' channels-last=false"
+            --variant "bf16-cl-captured=amp='bf16' channels-last=true")
+  for model in ${SWEEP:-tv-resnet18 resnet18 cnn fednh-cnn resnet10 resnet8-x4 resnet18-gn tv-resnet10 tv-resnet34 tv-googlenet tv-mobilenetv2 tv-resnet50 tv-resnet101 tv-resnet152}; do
+    timeout ${SWEEP_TIMEOUT:-45} python3 benchmarks/throughput.py --run-config "dataset='cifar10' partition='iid' data-fraction=0.2" \
+      --num-clients 4 --batch-sizes 64 --rounds 1 --models "$model" "${variants[@]}" --out "/tmp/sweep/$model" 2>&1 \
+      | grep "^| $model" | tee -a "$OUT/sweep-bs64.md"
+    cat "/tmp/sweep/$model/throughput.json" >> "$OUT/sweep.jsonl" 2>/dev/null
+  done
+fi

@@ -1,0 +1,121 @@
+"""Training steps captured as CUDA graphs (run-config ``cuda-graphs``), and what such a step may
+record: sums kept on the device, which a replay updates without the host."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable, Literal, get_args
+
+import torch
+
+# the full-batch training step captured as a CUDA graph and replayed ("auto": on CUDA; never on a
+# CPU), or every step launched eagerly ("off"); "static" runs the captured step's code with its
+# static buffers but without a graph, on any device (tests compare it with the plain loop)
+CudaGraphs = Literal["auto", "off", "static"]
+CUDA_GRAPHS = get_args(CudaGraphs)
+CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before the capture (lazy CUDA and optimizer state)
+
+
+def resolve_cuda_graphs(cuda_graphs: CudaGraphs, device: torch.device) -> Literal["off", "captured", "static"]:
+    """What ``cuda_graphs`` means on ``device``: ``"auto"`` captures on CUDA and is ``"off"`` elsewhere."""
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise ValueError(f"cuda-graphs must be one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
+    if cuda_graphs == "auto":
+        return "captured" if device.type == "cuda" else "off"
+    return cuda_graphs
+
+
+_uncapturable: set[str] = set()  # why captures failed, each logged once per process
+_capturing = threading.Lock()
+
+
+class CapturedStep:
+    """One training step for batches of one shape (``step(inputs, labels)``: forward, loss,
+    backward, clipping, the optimizer step, the loss summed on the device), captured once as a
+    CUDA graph and replayed for every later batch: each batch is copied into static input
+    tensors, and the graph updates the weights and the optimizer state in place.
+
+    The first :data:`CAPTURE_WARMUP_STEPS` calls run eagerly on a side stream (CUDA libraries and
+    the momentum buffers are set up lazily). What ``step`` computes from Python state must not
+    change between calls (the graph holds what it was at the capture), and it must not wait for
+    the host (a synchronising call fails the capture: the step then runs eagerly, and the reason is
+    logged once per process). One client trains at a time per process and GPU, as Ray actors and
+    SuperNodes run them: CUDA work on other threads during a capture can break it. ``static=True``: the same code without a graph (any device), each
+    call running ``step`` on the static tensors.
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], None], static: bool = False) -> None:
+        self.step, self.static = step, static
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: torch.Tensor | None = None
+        self.labels: torch.Tensor | None = None
+        self.eager = False  # the capture failed
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.calls += 1
+        if self.eager or (not self.static and self.calls <= CAPTURE_WARMUP_STEPS):
+            return self._on_side_stream(inputs, labels) if not self.eager else self.step(inputs, labels)
+        if self.inputs is None:
+            self.inputs, self.labels = inputs.clone(), labels.clone()  # keeps the memory format
+        else:
+            self.inputs.copy_(inputs)
+            self.labels.copy_(labels)
+        if self.static:
+            return self.step(self.inputs, self.labels)
+        if self.graph is None and not self._capture():
+            return self.step(inputs, labels)
+        self.graph.replay()
+
+    def _on_side_stream(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        side = torch.cuda.Stream(inputs.device)
+        side.wait_stream(torch.cuda.current_stream(inputs.device))
+        with torch.cuda.stream(side):
+            self.step(inputs, labels)
+        torch.cuda.current_stream(inputs.device).wait_stream(side)
+
+    def _capture(self) -> bool:
+        """Capture the step on the static tensors (nothing runs yet); False when it cannot be."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # a stream of its own (torch.cuda.graph's default is one per process) and one capture at
+            # a time; thread_local: clients on other threads of this process may use CUDA meanwhile
+            with _capturing, torch.cuda.graph(graph, stream=torch.cuda.Stream(self.inputs.device),
+                                              capture_error_mode="thread_local"):
+                self.step(self.inputs, self.labels)
+        except RuntimeError as error:
+            self.eager = True
+            reason = str(error).splitlines()[0]
+            if reason not in _uncapturable:
+                _uncapturable.add(reason)
+                warnings.warn(f"cuda-graphs: the training step cannot be captured ({reason}); it runs eagerly",
+                              stacklevel=2)
+            return False
+        self.graph = graph
+        return True
+
+    def release(self) -> None:
+        """Free the graph, then its static tensors (a graph must never outlive what it reads)."""
+        self.graph = None
+        self.inputs = self.labels = None
+
+
+class DeviceMeans:
+    """Named means over batches (e.g. a method's loss parts), summed on the device without waiting
+    for the host: a captured step's replays add to them. A name's sums are made by its first
+    (eager) batch: a capture follows warm-up steps."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (sum, batches)
+
+    def add(self, **values: torch.Tensor) -> None:
+        for name, value in values.items():
+            if name not in self.sums:
+                self.sums[name] = value.new_zeros(()), torch.zeros((), dtype=torch.long, device=value.device)
+            total, batches = self.sums[name]
+            total.add_(value.detach())
+            batches.add_(1)
+
+    def means(self) -> dict[str, float]:
+        return {name: float(total / batches) for name, (total, batches) in self.sums.items()}
