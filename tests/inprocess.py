@@ -2,6 +2,7 @@
 client per message and a persistent ``context.state`` per node, as Flower runs them; every
 message is kept for inspection."""
 
+import pytest
 import torch
 from flwr.app import RecordDict
 from flwr.common import Context
@@ -9,6 +10,13 @@ from flwr.server.client_proxy import ClientProxy
 
 from protofl.client_app import make_client_fn
 from protofl.server_app import make_server_fn
+from protofl.strategies import METHODS
+
+
+def methods_fast_for(*fast):
+    """Every method as a pytest parameter, those not in ``fast`` in the slow suite: the fast suite
+    keeps a representative few of a per-method federation test, CI runs them all."""
+    return [m if m in fast else pytest.param(m, marks=pytest.mark.slow) for m in sorted(METHODS)]
 
 
 class InProcessProxy(ClientProxy):

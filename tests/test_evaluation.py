@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 from fakes import FakeProxy, start_round
 from flwr.common import ndarrays_to_parameters
-from inprocess import run_in_process
+from inprocess import methods_fast_for, run_in_process
 from test_resume import assert_same_rounds
 from test_server import C, D, make_strategy, proto_result
 
 from protofl.federation.wire import EVALUATE_ROUND
 from protofl.settings import ExperimentSettings
-from protofl.strategies import METHODS
 from protofl.strategies.fedproto import FedProtoStrategy
 
 # batch-size 32: a third of the default's steps; where the scores travel does not depend on it
@@ -26,7 +25,8 @@ def kinds(messages):
     return [kind for kind, _, _ in messages if kind in ("fit", "evaluate")]
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# fast: FedProto (personal models, prototypes) and FedSC (the global model's head, no broadcast)
+@pytest.mark.parametrize("method", methods_fast_for("fedproto", "fedsc"))
 def test_scores_in_the_fit_message_equal_those_of_a_separate_evaluate_message(tmp_path, method):
     config = RUN | {"method": method, "output-dir": str(tmp_path)}
     _, in_fit = run_in_process(config | {"run-name": "fit"}, num_nodes=3)

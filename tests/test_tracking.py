@@ -204,6 +204,7 @@ def assert_same_points(got: dict, want: dict) -> None:
         assert [v for _, v in got[key]] == pytest.approx([v for _, v in want[key]], rel=1e-6), key
 
 
+@pytest.mark.slow  # three in-process runs with both trackers writing: ~5 s
 def test_tensorboard_and_mlflow_read_back_every_round_and_a_resumed_run_continues_them(tmp_path):
     pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
     pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
