@@ -1,6 +1,11 @@
 """A federation in one process, without Ray: protofl's ServerApp and ClientApp factories, a fresh
 client per message and a persistent ``context.state`` per node, as Flower runs them; every
-message is kept for inspection."""
+message is kept for inspection. The run's accuracy plot (accuracy.png, 0.3-0.5 s of matplotlib a
+run) is drawn only when asked for (``plot=True``): the Ray simulations, `flwr run`, the deployments
+and the tracking tests draw it."""
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -45,18 +50,24 @@ class InProcessProxy(ClientProxy):
         return None
 
 
-def run_in_process(run_config, num_nodes=3, node_class=None):
+def run_in_process(run_config, num_nodes=3, node_class=None, plot=False):
     """(the strategy after the run, [(kind, instruction, reply), ...] of every message).
-    ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client)."""
+    ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client);
+    ``plot``: draw accuracy.png at the end, as every real run does (otherwise it is not written)."""
     threads = torch.get_num_threads()
     # one torch thread per client, as a Ray simulation gives each (client-resources-num-cpus=1): the
     # clients train at once on Flower's thread pool, and each calling thread with more than one
     # runs its own OpenMP team; on 2 cores three clients x 2 threads ran 1.7-1.8x slower
     torch.set_num_threads(1)
     try:
-        return _run(run_config, num_nodes, node_class)
+        with contextlib.nullcontext() if plot else mock.patch("protofl.report.plot_curves", _not_drawn):
+            return _run(run_config, num_nodes, node_class)
     finally:
         torch.set_num_threads(threads)
+
+
+def _not_drawn(runs, path):
+    pass
 
 
 def _run(run_config, num_nodes, node_class):

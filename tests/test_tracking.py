@@ -210,9 +210,9 @@ def test_tensorboard_and_mlflow_read_back_every_round_and_a_resumed_run_continue
     pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
     config = RUN | {"output-dir": str(tmp_path), "run-name": "run", "tracker": "tensorboard,mlflow",
                     "num-server-rounds": 2}
-    run_in_process(config, num_nodes=3)
+    run_in_process(config, num_nodes=3, plot=True)  # accuracy.png: an image and an artifact, below
     first = json.loads((tmp_path / "run" / "results.json").read_text())
-    run_in_process(config | {"num-server-rounds": 3, "resume": True}, num_nodes=3)
+    run_in_process(config | {"num-server-rounds": 3, "resume": True}, num_nodes=3, plot=True)
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["tracking"] == first["tracking"]  # the same tracked runs
     want = expected_points(results)
