@@ -41,8 +41,9 @@ class CapturedStep:
     change between calls (the graph holds what it was at the capture), and it must not wait for
     the host (a synchronising call fails the capture: the step then runs eagerly, and the reason is
     logged once per process). One client trains at a time per process and GPU, as Ray actors and
-    SuperNodes run them: CUDA work on other threads during a capture can break it. ``static=True``: the same code without a graph (any device), each
-    call running ``step`` on the static tensors.
+    SuperNodes run them: CUDA work on other threads during a capture can break it.
+    ``static=True``: the same code without a graph (any device), each call running ``step`` on the
+    static tensors.
     """
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], None], static: bool = False) -> None:

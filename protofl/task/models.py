@@ -298,6 +298,6 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int, 
         raise ValueError(f"model must be one of {known}, got {name!r}")
     with SeededDraws(seed):
         model = MODELS[name](in_channels, num_classes, image_size)
-    model.channels_last_faster = frozenset(
-        device for device, faster in (("cpu", CHANNELS_LAST_FASTER), ("cuda", CHANNELS_LAST_FASTER_CUDA)) if name in faster)
+    faster_on = {"cpu": CHANNELS_LAST_FASTER, "cuda": CHANNELS_LAST_FASTER_CUDA}
+    model.channels_last_faster = frozenset(device for device, names in faster_on.items() if name in names)
     return model

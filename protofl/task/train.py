@@ -297,12 +297,14 @@ def features_and_logits(
     channels_last: ChannelsLast = False, cuda_graphs: CudaGraphs = "off",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eval-mode forward pass over ``x`` in chunks under ``torch.inference_mode`` (``amp``,
-    ``channels_last`` and the training step they go with, ``cuda_graphs``, as in :func:`train`). The outputs are in the weights' dtype (float32; bfloat16
-    autocast's outputs are cast back), need no grad, and are ordinary tensors (joined outside
-    inference mode), so later autograd may use them as constants."""
+    ``channels_last`` and the training step they go with, ``cuda_graphs``, as in :func:`train`).
+    The outputs are in the weights' dtype (float32; bfloat16 autocast's outputs are cast back), need
+    no grad, and are ordinary tensors (joined outside inference mode), so later autograd may use
+    them as constants."""
     dtype = next(model.parameters()).dtype
     autocast = _autocast(amp, x.device, cuda_graphs)
-    channels_last = _to_channels_last(model, x, channels_last, cuda_graphs)  # outside inference mode: the weights stay trainable
+    # outside inference mode: the weights stay trainable
+    channels_last = _to_channels_last(model, x, channels_last, cuda_graphs)
     model.eval()
     features, logits = [], []
     with torch.inference_mode():
