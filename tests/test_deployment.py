@@ -5,6 +5,7 @@ addresses live on a bridge it creates and removes. Every process is killed by pr
 """
 
 import http.client
+import importlib.util
 import json
 import ssl
 import subprocess
@@ -24,32 +25,53 @@ NUM_NODES = 2
 RUN_TIMEOUT = 420
 
 
-def _run_fedproto(tmp_path, cli_home, name):
-    run_config = f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'"
+def _run_fedproto(tmp_path, cli_home, name, extra=""):
+    run_config = f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'{extra}"
     run = native.flwr(cli_home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config],
                       timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((tmp_path / name / "results.json").read_text())
 
 
+def _stop(deployment):
+    deployment.stop()
+    for name, process in deployment.processes.items():
+        assert process.poll() is not None, f"{name} still runs"
+
+
 @pytest.fixture
 def deployment(tmp_path):
     started = native.NativeDeployment(tmp_path / "services", native.environment(), credentials=tmp_path / "credentials")
     yield started
-    started.stop()
-    for name, process in started.processes.items():
-        assert process.poll() is not None, f"{name} still runs"
+    _stop(started)
 
 
-def test_insecure_deployment_runs_fedproto(tmp_path, deployment):
-    compose = native.load_compose()
-    link = ("127.0.0.1", native.free_port())
-    nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
-    native.start_federation(deployment, compose, link, nodes)
-    results = _run_fedproto(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "insecure")
+TRACKERS = all(importlib.util.find_spec(module) for module in ("tensorboard", "mlflow"))  # the test extra's
+
+
+@pytest.fixture(scope="module")
+def insecure(tmp_path_factory):
+    """The insecure federation of the compose demo and a 2-round FedProto run on it, tracked with
+    TensorBoard and MLflow where the test extra installed them; its processes stopped afterwards.
+    Two tests read it: what the run learnt and kept, and what its ServerApp tracked."""
+    tmp = tmp_path_factory.mktemp("insecure")
+    started = native.NativeDeployment(tmp / "services", native.environment(), credentials=tmp / "credentials")
+    try:
+        link = ("127.0.0.1", native.free_port())
+        nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
+        native.start_federation(started, native.load_compose(), link, nodes)
+        cli_home = native.cli_home(tmp / "cli-home", f"{link[0]}:{link[1]}")
+        results = _run_fedproto(tmp, cli_home, "insecure", " tracker='tensorboard,mlflow'" if TRACKERS else "")
+    finally:
+        _stop(started)
+    return {"tmp": tmp, "services": started.workdir, "results": results}
+
+
+def test_insecure_deployment_runs_fedproto(tmp_path, insecure):
+    results = insecure["results"]
     native.check_fedproto_results(results, NUM_NODES)
     for i in range(1, NUM_NODES + 1):  # each node kept its data for the next message's process
-        home = deployment.workdir / f"superexec-clientapp-{i}"
+        home = insecure["services"] / f"superexec-clientapp-{i}"
         assert len(list((home / ".cache" / "protofl").glob("client-data-*.npz"))) == 1
 
     # the app is unchanged between the two paths: the same run in simulation learns the same
@@ -59,6 +81,19 @@ def test_insecure_deployment_runs_fedproto(tmp_path, deployment):
         assert deployed["bytes_up"] == local["bytes_up"] and deployed["bytes_down"] == local["bytes_down"]
         for key in ("train_loss", "personalized_accuracy", "personalized_std", "personalized_loss"):
             assert deployed[key] == pytest.approx(local[key], rel=1e-4, abs=1e-4), key
+
+
+def test_a_deployments_serverapp_tracks_the_run(insecure):
+    """The ServerApp that a SuperExec starts writes the trackers, as in simulation (the insecure
+    run's TensorBoard events and MLflow metrics, read back through their own readers)."""
+    if not TRACKERS:
+        pytest.skip("the test extra installs tensorboard and mlflow-skinny")
+    from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
+
+    results = insecure["results"]
+    want = expected_points(results)
+    assert_same_points(tensorboard_scalars(insecure["tmp"] / "insecure" / "tensorboard"), want)
+    assert_same_points(mlflow_metrics(results), want)
 
 
 def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployment):

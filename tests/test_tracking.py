@@ -1,6 +1,7 @@
 """Experiment tracking (protofl/tracking.py): the `tracker` key, what a run sends and when, the error
 for a missing extra, and runs read back through each tool's own reader (TensorBoard's
-EventAccumulator, MLflow's client, W&B's offline run file), fresh and resumed."""
+EventAccumulator, MLflow's client, W&B's offline run file), fresh and resumed; a deployment's
+ServerApp tracks as well (tests/test_deployment.py, on the insecure deployment's run)."""
 
 import json
 import os
@@ -13,7 +14,6 @@ import pytest
 from flwr.common.config import parse_config_args
 from inprocess import run_in_process
 from round_records import TIMING  # what two runs of the same config may differ in
-from test_deployment import deployment  # noqa: F401: the fixture of real Flower processes
 
 from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings
@@ -312,25 +312,3 @@ def test_a_run_killed_in_round_3_tracks_as_the_uninterrupted_run(tmp_path):
     want = without_timing(expected_points(whole))
     assert_same_points(without_timing(tensorboard_scalars(tmp_path / "killed" / "tensorboard")), want)
     assert_same_points(without_timing(mlflow_metrics(resumed)), want)
-
-
-@pytest.mark.slow
-def test_a_deployments_serverapp_tracks_the_run(tmp_path, deployment):
-    """Real SuperLink, SuperNode and SuperExec processes (tests/test_deployment.py's): the ServerApp
-    that a SuperExec starts writes the trackers, as in simulation."""
-    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
-    pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
-    import native
-
-    link = ("127.0.0.1", native.free_port())
-    nodes = [("127.0.0.1", native.free_port(), None) for _ in range(2)]
-    native.start_federation(deployment, native.load_compose(), link, nodes)
-    run_config = (f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='deployed' "
-                  "tracker='tensorboard,mlflow'")
-    run = native.flwr(native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"),
-                      ["run", str(TESTS.parent), "deployment", "--stream", "--run-config", run_config], timeout=420)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    results = json.loads((tmp_path / "deployed" / "results.json").read_text())
-    want = expected_points(results)
-    assert_same_points(tensorboard_scalars(tmp_path / "deployed" / "tensorboard"), want)
-    assert_same_points(mlflow_metrics(results), want)
