@@ -131,12 +131,18 @@ def run_in(bin_dir: Path, command: list[str], cwd: Path, env: dict | None = None
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
-def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path):
-    dist = tmp_path / "dist"
-    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT)],
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    """The sdist and the wheel built from the checkout (`python -m build`), once for this module's tests."""
+    out = tmp_path_factory.mktemp("dist")
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
                            capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path, dist):
     version = protofl.__version__
     wheel, sdist = dist / f"protofl-{version}-py3-none-any.whl", dist / f"protofl-{version}.tar.gz"
 
@@ -199,46 +205,74 @@ def directory_bytes(directory: Path) -> int:
     return sum(path.lstat().st_size for path in directory.rglob("*") if not path.is_symlink() and path.is_file())
 
 
+def installed_from_pips_resolution(python: str, wheel: Path, workdir: Path, env: dict) -> tuple[dict, str]:
+    """Install ``wheel`` with the dependencies pip resolves for it from the package index into the
+    venv of ``python``: pip resolves (`pip install --dry-run --report`, with the user's pip
+    configuration and the newest versions the ranges allow), then uv installs exactly the files pip
+    chose, nothing resolved again (`uv pip install --no-deps`, each file by its URL: pip would
+    install the same files one at a time, several minutes on 2 cores). Returns ({name: version}
+    that pip chose, a line on the times)."""
+    report = workdir / "pip-report.json"
+    resolving = time.monotonic()
+    resolved = subprocess.run([python, "-m", "pip", "install", "--quiet", "--dry-run", "--report", str(report),
+                               str(wheel)], capture_output=True, text=True, env=env, timeout=900)
+    assert resolved.returncode == 0, resolved.stdout[-3000:] + resolved.stderr[-3000:]
+    resolve_seconds = time.monotonic() - resolving
+    chosen = json.loads(report.read_text())["install"]
+    pinned = workdir / "pips-choice.txt"
+    pinned.write_text("".join(f"{item['metadata']['name']} @ {item['download_info']['url']}\n" for item in chosen))
+    uv = Path(sys.executable).parent / "uv"  # flwr's dependency, pinned in constraints.txt
+    installing = time.monotonic()
+    installed = subprocess.run([str(uv), "pip", "install", "--no-config", "--no-deps", "--python", python,
+                                "--cache-dir", str(workdir / "uv-cache"), "-r", str(pinned)],
+                               capture_output=True, text=True, env=env, cwd=workdir, timeout=1800)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    shutil.rmtree(workdir / "uv-cache", ignore_errors=True)
+    versions = {canonicalize_name(item["metadata"]["name"]): Version(item["metadata"]["version"]) for item in chosen}
+    return versions, f"pip resolved in {resolve_seconds:.0f} s, uv installed in {time.monotonic() - installing:.0f} s"
+
+
 @pytest.mark.slow
-def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_path):
-    """What a user who installs the wheel gets: a fresh virtual environment in which pip resolves the
-    wheel's dependencies from the package index (the newest versions pyproject.toml's ranges allow;
-    on the build machines torch and torchvision stop at the local cap), nothing of this venv in
-    reach, and the README's main job from the app `protofl new` writes: FedAvg on digits, 10
-    SuperNodes with 1 CPU each, 20 rounds. Prints what pip chose, the time and the venv's size; the
-    venv (several GB: CUDA torch) is deleted at the end."""
+def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_path, dist):
+    """What a user who installs the wheel gets: a fresh virtual environment with the wheel and the
+    dependencies pip resolves from the package index (the newest versions pyproject.toml's ranges
+    allow; on the build machines torch and torchvision stop at the local cap), installed from the
+    files pip chose (:func:`installed_from_pips_resolution`), nothing of this venv in reach, and the
+    README's main job from the app `protofl new` writes: FedAvg on digits, 10 SuperNodes with 1 CPU
+    each, 20 rounds. Prints what pip chose, the times and the venv's size; the venv (several GB:
+    CUDA torch) is deleted at the end."""
     started = time.monotonic()
-    dist = tmp_path / "dist"
-    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
-                           capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     wheel = dist / f"protofl-{protofl.__version__}-py3-none-any.whl"
     venv = tmp_path / "venv-index"
     bin_dir, python = venv / "bin", str(venv / "bin" / "python")
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"VIRTUAL_ENV": str(venv), "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
+    # uv installs no bytecode (pip compiles every module at install): the first import of a module
+    # writes it, as in a user's venv (below, once, before the main job's processes start)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     home = tmp_path / "flwr-home"
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
         # as ./setup.sh does; Python 3.11's bundled pip is 23.2
         subprocess.run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True, capture_output=True,
                        env=env, timeout=300)
-        installing = time.monotonic()
-        installed = subprocess.run([python, "-m", "pip", "install", "--quiet", str(wheel)], capture_output=True,
-                                   text=True, env=env, timeout=1800)
-        install_seconds = time.monotonic() - installing
-        freeze = subprocess.run([python, "-m", "pip", "freeze", "--all"], capture_output=True, text=True, env=env,
-                                timeout=120).stdout
-        chosen = f"\npip chose ({install_seconds:.0f} s):\n{freeze}"
+        pips_choice, install_times = installed_from_pips_resolution(python, wheel, tmp_path, env)
+        code = ("import importlib.metadata as m, json; "
+                "print(json.dumps([[d.name, d.version] for d in m.distributions()]))")
+        listed = run_in(bin_dir, [python, "-c", code], tmp_path, env)
+        assert listed.returncode == 0, listed.stderr
+        versions = {canonicalize_name(name): Version(version) for name, version in json.loads(listed.stdout)}
+        chosen = f"\npip chose ({install_times}):\n" + "".join(f"{n}=={v}\n" for n, v in sorted(versions.items()))
         print(chosen)
-        assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:] + chosen
-        versions = {canonicalize_name(n): Version(v) for n, v in (line.split("==") for line in freeze.splitlines()
-                                                                   if "==" in line)}
+        assert {name: versions.get(name) for name in pips_choice} == pips_choice, chosen  # what pip chose, all of it
+        assert set(versions) - set(pips_choice) <= {"pip", "setuptools"}, chosen  # and the fresh venv's own
         for requirement in map(Requirement, PYPROJECT["project"]["dependencies"]):
             assert versions[canonicalize_name(requirement.name)] in requirement.specifier, f"{requirement}{chosen}"
         checked = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, env=env, timeout=120)
         assert checked.returncode == 0, checked.stdout + chosen
-        code = "import json, flwr, protofl, sys; print(json.dumps([flwr.__file__, protofl.__file__, sys.path]))"
+        # the main job's modules, imported once here: their bytecode is written for its processes
+        code = ("import json, sys, flwr, flwr.simulation, protofl, protofl.client_app, protofl.server_app; "
+                "print(json.dumps([flwr.__file__, protofl.__file__, sys.path]))")
         *modules, path = json.loads(run_in(bin_dir, [python, "-c", code], tmp_path, env).stdout)
         assert all(module.startswith(str(venv)) for module in modules), modules
         assert sysconfig.get_paths()["purelib"] not in path and str(ROOT) not in path  # the index's, not the pins'
@@ -270,7 +304,7 @@ def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_p
             f"{summary}{chosen}"
         print(f"flwr {versions['flwr']}, torch {versions['torch']}: the main job in {run_seconds:.0f} s, GM final "
               f"{summary['global_accuracy']['final']:.4f}, PM final {summary['personalized_accuracy']['final']:.4f}; "
-              f"pip install {install_seconds:.0f} s, the venv {directory_bytes(venv) / 2**30:.2f} GiB; "
+              f"{install_times}, the venv {directory_bytes(venv) / 2**30:.2f} GiB; "
               f"{time.monotonic() - started:.0f} s in all")
     finally:
         kill_trees(pids_with_argument(str(home)))
