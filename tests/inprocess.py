@@ -5,8 +5,10 @@ run) is drawn only when asked for (``plot=True``): the Ray simulations, `flwr ru
 and the tracking tests draw it."""
 
 import contextlib
+import io
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
@@ -16,6 +18,7 @@ from flwr.server.client_proxy import ClientProxy
 from protofl.client_app import make_client_fn
 from protofl.server_app import make_server_fn
 from protofl.strategies import METHODS
+from protofl.task.storage import NUMPY_HEADER_LOCK
 
 
 def methods_fast_for(*fast):
@@ -60,7 +63,8 @@ def run_in_process(run_config, num_nodes=3, node_class=None, plot=False):
     # runs its own OpenMP team; on 2 cores three clients x 2 threads ran 1.7-1.8x slower
     torch.set_num_threads(1)
     try:
-        with contextlib.nullcontext() if plot else mock.patch("protofl.report.plot_curves", _not_drawn):
+        with (contextlib.nullcontext() if plot else mock.patch("protofl.report.plot_curves", _not_drawn),
+              mock.patch("flwr.compat.common.parameter.bytes_to_ndarray", _bytes_to_ndarray_under_lock)):
             return _run(run_config, num_nodes, node_class)
     finally:
         torch.set_num_threads(threads)
@@ -68,6 +72,14 @@ def run_in_process(run_config, num_nodes=3, node_class=None, plot=False):
 
 def _not_drawn(runs, path):
     pass
+
+
+def _bytes_to_ndarray_under_lock(tensor):
+    """Flower's decoding of one parameter array, under protofl's lock for numpy's header parse: the
+    clients here decode on threads of one process (CPython 3.11's AST constructor is not
+    thread-safe: protofl/task/storage.py), where Ray actors and SuperNodes decode in one each."""
+    with NUMPY_HEADER_LOCK:
+        return np.load(io.BytesIO(tensor), allow_pickle=False)
 
 
 def _run(run_config, num_nodes, node_class):

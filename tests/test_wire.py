@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from inprocess import run_in_process
 
 from protofl.federation.wire import (
     CLASS_COUNTS,
@@ -232,4 +233,25 @@ def test_arrays_are_decoded_one_header_at_a_time_across_threads(monkeypatch):
     with ThreadPoolExecutor(4) as pool:
         for future in [pool.submit(decode_both) for _ in range(4)]:
             future.result()
+    assert most == [1]
+
+
+def test_an_in_process_federations_clients_parse_one_header_at_a_time(monkeypatch):
+    """The in-process federation's clients train at once on Flower's thread pool, and Flower decodes
+    each one's parameters with np.load (a header parse each): a `.ci/run` lost a client's round to
+    "SystemError: AST constructor recursion depth mismatch" (round records, aggregation=median)."""
+    inside, most = [0], [0]
+    parse = ast.parse
+
+    def slow_parse(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.0005)
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+    run_in_process({"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1})
     assert most == [1]
