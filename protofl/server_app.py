@@ -116,11 +116,12 @@ def make_server_fn(
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict(), tracking)
-        recorder.extra["compute"] = compute_description(device=get_device(), model=model, **settings.precision)
-        log(INFO, "protofl: the server computes with %s (each ClientApp logs its own)",
-            ", ".join(f"{k} {v}" for k, v in recorder.extra["compute"].items()))
         strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes,
                                   client_state_dir="" if deployment else str(directory / CLIENT_STATE))
+        recorder.extra["compute"] = compute_description(device=get_device(), model=model,
+                                                        **settings.method_precision(strategy.options))
+        log(INFO, "protofl: the server computes with %s (each ClientApp logs its own)",
+            ", ".join(f"{k} {v}" for k, v in recorder.extra["compute"].items()))
         if checkpoint is not None:
             strategy.resume_from(checkpoint)
         recorder.start_tracking()

@@ -134,7 +134,8 @@ class MethodOptions:
     - ``statistics``: the class statistics each client uploads every round (per-class means and
       counts): of its ``"feature"`` vectors (C x d), of its ``"logit"`` vectors (C x C), or None;
     - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters;
-    - :attr:`keeps_client_state`: whether clients keep state across rounds.
+    - :attr:`keeps_client_state`: whether clients keep state across rounds;
+    - :attr:`capturable`: whether the client's training step may be captured as a CUDA graph.
     """
 
     statistics: ClassVar[Literal["feature", "logit"] | None] = "feature"
@@ -143,6 +144,14 @@ class MethodOptions:
     def keeps_client_state(self) -> bool:
         """Whether each client keeps state for its partition across rounds (a personal model, ...),
         which a resumed run must find again (default: no)."""
+        return False
+
+    @property
+    def capturable(self) -> bool:
+        """Whether the client's training step, with the method's ``batch_loss``, may be captured as
+        a CUDA graph (``cuda-graphs``): the loss never waits for the host (``.item()``, shapes that
+        depend on the data) and keeps no Python state per batch (``record_loss`` does not).
+        Default: no; a method that meets both says so."""
         return False
 
     @classmethod
@@ -317,6 +326,12 @@ class ExperimentSettings:
         steps are captured), as every forward pass of the run takes them (training, the prototype
         and scoring passes, BatchNorm recomputation, the server's global model)."""
         return {"amp": self.amp, "channels_last": self.channels_last, "cuda_graphs": self.cuda_graphs}
+
+    def method_precision(self, options: MethodOptions) -> dict[str, Any]:
+        """:attr:`precision` as the method's clients and server compute: no captured training steps
+        (``cuda_graphs`` off, and on CUDA the "auto" precision and memory format that go with
+        eager steps) unless its ``options`` are :attr:`~MethodOptions.capturable`."""
+        return self.precision | ({} if options.capturable else {"cuda_graphs": "off"})
 
     def partition_spec(self, num_partitions: int) -> PartitionSpec:
         return PartitionSpec(

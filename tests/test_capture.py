@@ -125,11 +125,15 @@ def test_each_method_says_whether_its_step_may_be_captured():
     data = load_client_data("digits", "", settings.partition_spec(2), 0)
     assert {method for method, _ in CAPTURABLE} == set(METHODS)
     for (method, options), capturable in CAPTURABLE.items():
-        _, client_class = get_method(method)
-        client = client_class(ExperimentSettings(method=method, dataset="digits", options=dict(options)), data,
-                              build_model("cnn", 1, 10, 16, seed=0), 2, {})
-        assert client.capturable() is capturable, (method, options)
-        assert client.train_kwargs({"server-round": 1})["cuda_graphs"] == ("auto" if capturable else "off")
+        strategy_class, client_class = get_method(method)
+        settings = ExperimentSettings(method=method, dataset="digits", options=dict(options))
+        client = client_class(settings, data, build_model("cnn", 1, 10, 16, seed=0), 2, {})
+        assert client.options.capturable is capturable, (method, options)
+        step = "auto" if capturable else "off"
+        assert client.train_kwargs({"server-round": 1})["cuda_graphs"] == client.precision["cuda_graphs"] == step
+        # the server scores the global model in the precision its clients train in
+        server_options = strategy_class.options_class.from_settings(settings)
+        assert settings.method_precision(server_options) == client.precision
 
 
 RUN = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "batch-size": 32}

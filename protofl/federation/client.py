@@ -12,7 +12,7 @@ entries, the training size and the metrics go up.
 the local test split (and, with ``global-test-pm``, on the global test set).
 
 Hooks (see docs/adding-a-method.md): ``options_class``, ``receive``, ``batch_loss``,
-``capturable``, ``prototype_vectors``, ``local_statistics``, ``after_fit``, ``prepare_evaluation``,
+``prototype_vectors``, ``local_statistics``, ``after_fit``, ``prepare_evaluation``,
 ``predictors``; the method's options ``prototype_pass`` and ``inference``, when it has them, choose
 where class statistics come from and which predictor is reported. Helpers: ``load_shared``, ``restore_personal_model`` /
 ``store_personal_model`` (a model kept on the node across rounds), ``received`` /
@@ -90,8 +90,7 @@ class PrototypeClient(NumPyClient):
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
         self.loss_parts = DeviceMeans()
-        # amp, channels_last, cuda_graphs of the training and eval passes: no capture unless capturable
-        self.precision = settings.precision | ({} if self.capturable() else {"cuda_graphs": "off"})
+        self.precision = settings.method_precision(self.options)  # of the training and eval passes
 
     # --- hooks for methods --------------------------------------------------------------
 
@@ -103,12 +102,6 @@ class PrototypeClient(NumPyClient):
     def batch_loss(self, features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The method's loss added to the cross-entropy of one training mini-batch; None: nothing."""
         return None
-
-    def capturable(self) -> bool:
-        """Whether the step with ``batch_loss`` may be a CUDA graph: the loss never waits for the host
-        (``.item()``, data-dependent shapes) and keeps no Python state per batch (``record_loss``
-        does not). Asked once, when the client is made. Default: only without a ``batch_loss``."""
-        return type(self).batch_loss is PrototypeClient.batch_loss
 
     def prototype_vectors(self, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The vectors whose per-class means are the class statistics (default: the features, or the

@@ -328,7 +328,7 @@ class PrototypeStrategy(Strategy):
         if server_round > 0 and not self.settings.is_eval_round(server_round):
             return None
         loss, accuracy = global_model_scores(self.model, parameters_to_ndarrays(parameters), self.global_test,
-                                             **self.settings.precision)
+                                             **self.settings.method_precision(self.options))
         if server_round > 0:
             self.recorder.update(
                 server_round, global_accuracy=accuracy, global_loss=loss,

@@ -24,6 +24,8 @@ class FedAvgOptions(MethodOptions):
     weighted: bool = True  # by local training size; false: unweighted
     personal_model: Literal["global", "local"] = "global"
 
+    capturable: ClassVar[bool] = True  # no batch loss
+
     @property
     def keeps_client_state(self) -> bool:
         return self.personal_model == "local"

@@ -44,6 +44,7 @@ PROTOTYPES = "prototypes"  # W, C x d unit rows, broadcast in the fit and evalua
 @dataclass(frozen=True)
 class FedNHOptions(MethodOptions):
     keeps_client_state: ClassVar[bool] = True  # the personal model
+    capturable: ClassVar[bool] = True  # no batch loss
     rho: float = 0.9
     prototype_init: Literal["simplex", "orthogonal"] = "simplex"
     prototype_means: Literal["normalized", "raw"] = "normalized"

@@ -20,7 +20,7 @@ training split only (``"own"``, the original code's test).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ class FedProtoOptions(MethodOptions):
     inference: Literal["prototype", "head"] = "prototype"
     prototype_pass: PrototypePass = "post-eval"
     prototype_classes: Literal["all", "own"] = "all"
+
+    capturable: ClassVar[bool] = True  # prototype_loss: fixed shapes, no host sync
 
     @property
     def keeps_client_state(self) -> bool:
@@ -100,9 +102,6 @@ class FedProtoClient(PrototypeClient):
         if self.received_prototypes is None or self.options.lambda_ <= 0:
             return None
         return self.options.lambda_ * prototype_loss(features, labels, *self.received_prototypes)
-
-    def capturable(self):
-        return True  # prototype_loss: fixed shapes, no host sync
 
     def after_fit(self, statistics):
         if not self.options.average_parameters:

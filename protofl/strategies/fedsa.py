@@ -62,6 +62,10 @@ class FedSAOptions(MethodOptions):
     loss_form: Literal["sample", "prototype"] = "sample"
     margin: Literal["nearest", "pairwise"] = "nearest"
 
+    @property
+    def capturable(self) -> bool:
+        return self.loss_form == "sample"  # the paper's form takes the batch's classes (unique: a sync)
+
     def check(self) -> None:
         if min(self.lambda_r, self.lambda_cc, 0.0 if self.lambda_mcl == "auto" else self.lambda_mcl) < 0:
             raise ValueError("fedsa: the loss weights must be >= 0")
@@ -226,9 +230,6 @@ class FedSAClient(PrototypeClient):
             )
         classes, means = batch_class_means(features, labels)
         return (means - anchors[classes]).norm(dim=1).sum(), margin_contrastive_loss(means, classes, anchors, margin)
-
-    def capturable(self):
-        return self.options.loss_form == "sample"  # the paper's form takes the batch's classes (unique: a sync)
 
     def batch_loss(self, features, logits, labels):
         regularization, contrastive = self._regularization_and_contrastive(features, labels, self.anchors, self.margin)

@@ -80,6 +80,10 @@ class FedSKCOptions(MethodOptions):
     gpr_classes: VarianceClasses = "both-rounds"
     prototype_pass: PostOrLastEpochPass = "post-eval"
 
+    @property
+    def capturable(self) -> bool:
+        return self.lcl_form == "code"  # the paper's form leaves out samples without knowledge (a sync)
+
     def check(self) -> None:
         if self.temperature <= 0 or self.neighbours < 0 or self.lambda_lcl < 0:
             raise ValueError("fedskc: temperature must be > 0, neighbours and lambda-lcl >= 0")
@@ -254,9 +258,6 @@ class FedSKCClient(PrototypeClient):
             )
         warmup = self.options.lcl_warmup_rounds
         self.lcl_weight = self.options.lambda_lcl * (min(server_round(config) / warmup, 1.0) if warmup > 0 else 1.0)
-
-    def capturable(self):
-        return self.options.lcl_form == "code"  # the paper's form leaves out samples without knowledge (a sync)
 
     def batch_loss(self, features, logits, labels):
         if self.global_knowledge is None:
