@@ -13,8 +13,8 @@ scores the global test set.
 
 Each round, for every client in turn (all of them, whatever ``fraction-fit``): load the global
 weights, train one local epoch with `protofl.task.train.train` (the run config's lr, momentum,
-weight decay, clipping, partial batch, augmentation, amp, channels-last and cuda-graphs; no method's extra loss,
-no BatchNorm recomputation: FedAvg's local work), then `features_and_logits` over the client's test
+weight decay, clipping, partial batch, augmentation, amp, channels-last and cuda-graphs; no
+method's extra loss, no BatchNorm recomputation: FedAvg's local work), then `features_and_logits` over the client's test
 data. One warm-up round, then ``--rounds`` timed rounds, per model and batch size; the
 ``--variant``s (run-config overrides, e.g. precision and memory format) take turns on each
 client's work, so that they are measured side by side. Training samples/s = the clients' training samples

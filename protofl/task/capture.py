@@ -56,8 +56,10 @@ class CapturedStep:
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.calls += 1
-        if self.eager or (not self.static and self.calls <= CAPTURE_WARMUP_STEPS):
-            return self._on_side_stream(inputs, labels) if not self.eager else self.step(inputs, labels)
+        if self.eager:
+            return self.step(inputs, labels)
+        if not self.static and self.calls <= CAPTURE_WARMUP_STEPS:
+            return self._on_side_stream(inputs, labels)
         if self.inputs is None:
             self.inputs, self.labels = inputs.clone(), labels.clone()  # keeps the memory format
         else:

@@ -98,9 +98,9 @@ def train(
         optimizer.step()
         total.add_(loss.detach())
 
+    kind = resolve_cuda_graphs(cuda_graphs, x.device)
     full_batches = epochs * (n // batch_size)
-    captured = (CapturedStep(step, static=resolve_cuda_graphs(cuda_graphs, x.device) == "static")
-                if resolve_cuda_graphs(cuda_graphs, x.device) != "off" and full_batches > CAPTURE_WARMUP_STEPS
+    captured = (CapturedStep(step, static=kind == "static") if kind != "off" and full_batches > CAPTURE_WARMUP_STEPS
                 else None)
     steps = 0
     for _ in range(epochs):
@@ -345,8 +345,8 @@ class FeatureSums:
         counted = torch.ones_like(labels)
         features = features.detach().to(self.sums.dtype)
         if self.skip > 0:  # the batch counts once ``skip`` batches have gone by
-            counts = self.batches >= self.skip
-            features, counted = torch.where(counts, features, 0.0), counted * counts
+            past_skip = self.batches >= self.skip
+            features, counted = torch.where(past_skip, features, 0.0), counted * past_skip
             self.batches.add_(1)
         self.sums.index_add_(0, labels, features)
         self.counts.index_add_(0, labels, counted)
