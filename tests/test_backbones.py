@@ -20,7 +20,10 @@ pytestmark = pytest.mark.slow
 
 BACKBONES = ("cnn", "fednh-cnn", "resnet18", "resnet18-gn", "resnet10", "resnet8-x4", "tv-resnet18")
 FAMILY_METHODS = ("fedsa", "fedproto")  # the methods that exchange no parameters
-MATRIX = [(m, b) for m in METHODS for b in BACKBONES] + [(m, f) for m in FAMILY_METHODS for f in MODEL_FAMILIES]
+# families that hold every architecture of every family between them (checked below); which member
+# a client builds is tested on its own (tests/test_models.py)
+FAMILIES = ("htfe3", "htfe8")
+MATRIX = [(m, b) for m in METHODS for b in BACKBONES] + [(m, f) for m in FAMILY_METHODS for f in FAMILIES]
 # tv-resnet18's class means after an epoch are 2-53 (docs/results/batchnorm.md); the
 # reproduction of issue 23 gave eval-mode means of 8.8e7 to 4.5e14
 BOUND = 1e3
@@ -36,6 +39,10 @@ def cifar_dir(tmp_path_factory):
 def arrays(entries):
     """The arrays among a config's or metrics' values (``.npy`` bytes), by key."""
     return {k: np.load(io.BytesIO(v), allow_pickle=False) for k, v in entries.items() if isinstance(v, bytes)}
+
+
+def test_the_families_run_hold_every_family_architecture():
+    assert {a for f in FAMILIES for a in MODEL_FAMILIES[f]} == {a for f in MODEL_FAMILIES.values() for a in f}
 
 
 @pytest.mark.parametrize("method, model", MATRIX, ids=[f"{m}-{b}" for m, b in MATRIX])

@@ -1,4 +1,7 @@
-"""In-process Flower simulations (Ray backend, CPU) of 3 clients for 2 rounds on digits."""
+"""Federations of 3 clients for 2 rounds on digits: Flower's simulation on its Ray backend (CPU)
+where Ray is the point (a run repeats exactly, a failing client, one architecture per node), and
+each method's traffic and metrics in one process (tests/inprocess.py: the same ServerApp and
+ClientApp factories, about 10x faster than starting Ray)."""
 
 import json
 import sys
@@ -8,6 +11,7 @@ import ray.cloudpickle
 from flwr.client import ClientApp
 from flwr.server import ServerApp
 from flwr.simulation import run_simulation
+from inprocess import run_in_process
 
 from protofl.client_app import make_client_fn
 from protofl.federation.wire import CLASS_MEANS
@@ -21,15 +25,24 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
+def run_config_of(tmp_path, name, overrides):
+    return {"dataset": "digits", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": name} | overrides
+
+
 def simulate(tmp_path, name, client_fn=None, num_supernodes=3, **overrides):
-    run_config = {"dataset": "digits", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": name}
-    run_config.update(overrides)
+    run_config = run_config_of(tmp_path, name, overrides)
     run_simulation(
         ServerApp(server_fn=make_server_fn(run_config)),
         ClientApp(client_fn=client_fn or make_client_fn(run_config)),
         num_supernodes=num_supernodes,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}},
     )
+    return json.loads((tmp_path / name / "results.json").read_text())
+
+
+def in_process(tmp_path, name, **overrides):
+    """The run ``simulate`` makes, in one process."""
+    run_in_process(run_config_of(tmp_path, name, overrides))
     return json.loads((tmp_path / name / "results.json").read_text())
 
 
@@ -58,7 +71,7 @@ def test_fedavg_learns_writes_schema_and_is_reproducible(tmp_path):
 
 
 def test_fedproto_exchanges_prototypes_and_personalizes(tmp_path):
-    results = simulate(tmp_path, "p", method="fedproto")
+    results = in_process(tmp_path, "p", method="fedproto")
     first, second = results["rounds"]
     assert first["global_accuracy"] is None  # no global model
     assert first["bytes_down"] == 0  # nothing to send before the first aggregation
@@ -92,7 +105,7 @@ def test_client_with_malformed_payload_is_dropped_while_the_round_completes(tmp_
 
 
 def test_fednh_sends_prototypes_both_ways_and_reports_gm_pm_l_pm_v(tmp_path):
-    results = simulate(tmp_path, "nh", method="fednh", model="fednh-cnn",
+    results = in_process(tmp_path, "nh", method="fednh", model="fednh-cnn",
                        **{"max-grad-norm": 10.0, "global-test-pm": True})
     from protofl.strategies import build_method_model
     from protofl.task.data import load_dataset
@@ -110,7 +123,7 @@ def test_fednh_sends_prototypes_both_ways_and_reports_gm_pm_l_pm_v(tmp_path):
 
 
 def test_fedcosr_shares_phi_and_prototypes_keeps_heads_and_mixes_from_round_2(tmp_path):
-    results = simulate(tmp_path, "cosr", method="fedcosr", **{"num-server-rounds": 3})
+    results = in_process(tmp_path, "cosr", method="fedcosr", **{"num-server-rounds": 3})
     from protofl.strategies import build_method_model
     from protofl.task.data import load_dataset
 
@@ -149,13 +162,13 @@ def test_fedsa_with_two_architectures_sends_only_prototypes_up_and_anchors_down(
 
 
 def test_fedproto_runs_with_two_architectures(tmp_path):
-    results = simulate(tmp_path, "pa", method="fedproto", model="htfe2")
+    results = in_process(tmp_path, "pa", method="fedproto", model="htfe2")
     assert results["rounds"][-1]["global_accuracy"] is None
     assert results["rounds"][-1]["personalized_accuracy_prototype"] >= 0.5
 
 
 def test_fedsc_sends_relational_and_consistent_prototypes_from_round_two(tmp_path):
-    results = simulate(tmp_path, "sc", method="fedsc")
+    results = in_process(tmp_path, "sc", method="fedsc")
     first, second = results["rounds"]
     weights_bytes = first["bytes_down"] // 3  # round 1: the model only
     assert second["bytes_down"] > first["bytes_down"]  # + the prototypes, only in the fit config
@@ -169,7 +182,7 @@ def test_fedsc_sends_relational_and_consistent_prototypes_from_round_two(tmp_pat
 
 
 def test_fedskc_sends_knowledge_and_reviews_from_round_two(tmp_path):
-    results = simulate(tmp_path, "skc", method="fedskc")
+    results = in_process(tmp_path, "skc", method="fedskc")
     first, second = results["rounds"]
     assert second["bytes_down"] == first["bytes_down"] + 3 * ((10 * 10 * 4 + 128) + (10 + 128))
     assert first["gpr_ratio"] is None and isinstance(second["gpr_ratio"], float)
