@@ -1,15 +1,17 @@
 """ServerApp: builds the method's Strategy from the run config, and runs Flower's server loop with
 protofl's summary at the end; in a deployment, it collects the clients' replies within a fraction
-of a second of their arrival (:class:`PromptReplies`)."""
+of a second of their arrival (:class:`PromptReplies`). A run that stopped ends failed
+(:class:`RunFailed`)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from logging import ERROR, INFO
 from typing import Any, Callable, Iterable, Mapping
 
 from flwr.common import Context, Message, ndarrays_to_parameters
-from flwr.common.logger import log
+from flwr.common.logger import FLOWER_LOGGER, log
 from flwr.server import Grid, History, Server, ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 from flwr.superlink.grid import HttpGrid
 
@@ -19,8 +21,26 @@ from protofl.report import RunRecorder, summary_text
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import load_dataset, load_global_test, partition_sizes
+from protofl.task.models import client_architecture, model_bytes
 from protofl.task.train import compute_description, get_device
 from protofl.tracking import Tracking
+
+
+class RunFailed(Exception):
+    """Raised by the ServerApp after a run that stopped (:class:`RunStopped`) has saved its
+    results and logged its one line: Flower then marks the run failed (`flwr ls`:
+    ``finished:failed``, this reason in its details) and its process exits non-zero."""
+
+
+class _NoTracebackForRunFailed(logging.Filter):
+    """Drops Flower's "ServerApp (or Simulation) raised an exception" record, and its traceback,
+    for :class:`RunFailed`: the run has said why in one line already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], RunFailed))
+
+
+FLOWER_LOGGER.addFilter(_NoTracebackForRunFailed())
 
 
 class RunSummary(History):
@@ -36,11 +56,12 @@ class PrototypeServer(Server):
     """Flower's Server loop, from the round after ``checkpoint`` when the run resumes, with a
     checkpoint after each complete round (and the rounds before it sent to the trackers); then the
     strategy's final files and summary once all rounds are done, or once a round stops the run
-    (:class:`RunStopped`: one error line, no traceback)."""
+    (:class:`RunStopped`: one error line, no traceback, the reason kept in ``stopped``)."""
 
     def __init__(self, *, client_manager, strategy, checkpoint: Checkpoint | None = None) -> None:
         super().__init__(client_manager=client_manager, strategy=strategy)
         self.checkpoint = checkpoint
+        self.stopped: str | None = None
 
     def fit(self, num_rounds: int, timeout: float | None) -> tuple[History, float]:
         started = time.perf_counter()
@@ -50,7 +71,7 @@ class PrototypeServer(Server):
             self._rounds(num_rounds, timeout, history)
         except RunStopped as stop:
             log(ERROR, "protofl: the run stopped. %s", stop)
-            recorder.extra["stopped"] = str(stop)
+            recorder.extra["stopped"] = self.stopped = str(stop)
         except BaseException:
             recorder.finish_tracking(crashed=True)
             raise
@@ -86,7 +107,7 @@ class PrototypeServer(Server):
                 history.add_loss_distributed(server_round=server_round, loss=federated[0])
                 history.add_metrics_distributed(server_round=server_round, metrics=federated[1])
             self.strategy.recorder.track(server_round)  # the rounds before it, which are complete
-            self.strategy.save_checkpoint(server_round, self.parameters)
+            self.strategy.checkpoints.save(server_round, self.parameters, self.strategy.server_state)
 
 
 def make_server_fn(
@@ -101,7 +122,11 @@ def make_server_fn(
         directory = settings.run_directory()
         tracking = Tracking.from_settings(settings.tracker, directory, settings.mlflow_uri)  # a missing extra fails here
         strategy_class, _ = get_method(settings.method)
-        checkpoint = open_run(settings, directory, strategy_class.options_class.run_config_defaults())
+        try:
+            checkpoint = open_run(settings, directory, strategy_class.options_class.run_config_defaults())
+        except ValueError as refused:  # the run directory holds another run, or one this cannot resume
+            log(ERROR, "protofl: the run cannot start. %s", refused)
+            raise RunFailed(str(refused)) from None
         dataset = load_dataset(settings.dataset, settings.data_dir, settings.normalisation)
         model = build_method_model(settings, dataset)
         global_test = None  # pool='train+test': the test set is in the partitions, no GM
@@ -116,8 +141,13 @@ def make_server_fn(
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict(), tracking)
+        def state_bytes(partition_id: int) -> int:  # its whole model: what a personal state holds
+            return model_bytes(client_architecture(settings.model, partition_id), dataset.in_channels,
+                               dataset.num_classes, dataset.image_size)
+
         strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes,
-                                  client_state_dir="" if deployment else str(directory / CLIENT_STATE))
+                                  client_state_dir="" if deployment else str(directory / CLIENT_STATE),
+                                  state_bytes=state_bytes)
         recorder.extra["compute"] = compute_description(device=get_device(), model=model,
                                                         **settings.method_precision(strategy.options))
         log(INFO, "protofl: the server computes with %s (each ClientApp logs its own)",
@@ -184,7 +214,8 @@ class PromptReplies(Grid):
 class PrototypeServerApp(ServerApp):
     """Flower's ServerApp of :func:`make_server_fn`, told whether it runs a deployment (whose
     nodes keep their state on their own disks), with :class:`PromptReplies` around a
-    deployment's grid (simulation's in-memory grid already polls every 0.1 s)."""
+    deployment's grid (simulation's in-memory grid already polls every 0.1 s). A run that
+    stopped raises :class:`RunFailed` at its end."""
 
     def __init__(self) -> None:
         super().__init__(server_fn=make_server_fn())
@@ -193,6 +224,8 @@ class PrototypeServerApp(ServerApp):
         if isinstance(grid, HttpGrid):
             self._server_fn, grid = make_server_fn(deployment=True), PromptReplies(grid)
         super().__call__(grid, context)
+        if self._server.stopped:  # the PrototypeServer the server_fn made for this run
+            raise RunFailed(self._server.stopped)
 
 
 app = PrototypeServerApp()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,34 +33,41 @@ def flwr_command(tmp_path, run_config, name="e2e"):
     return command, env
 
 
-def flwr_run(tmp_path, run_config, name="e2e", extra_env=None):
-    """`flwr run . --stream` with ``run_config`` (and ``extra_env``); the finished process (output captured)."""
+def flwr_run(tmp_path, run_config, name="e2e", extra_env=None, runs=1):
+    """`flwr run . --stream` with ``run_config`` (and ``extra_env``), ``runs`` times on one local
+    SuperLink: the finished process (output captured), or with ``runs`` > 1 (the finished
+    processes, and what `flwr ls --format json` printed after them)."""
     command, env = flwr_command(tmp_path, run_config, name)
     env |= extra_env or {}
     home = env["FLWR_HOME"]
     try:
-        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+        done = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=540) for _ in range(runs)]
+        if runs > 1:
+            listed = subprocess.run([command[0], "ls", "--format", "json"], env=env, capture_output=True, text=True,
+                                    timeout=60, check=True)
+            return done, listed.stdout
     finally:
         kill_trees(pids_with_argument(home))  # the managed SuperLink and what it started
     assert not pids_with_argument(home)
-    return run
+    return done[0]
 
 
-def test_flwr_run_fedproto_two_rounds(tmp_path):
-    run = flwr_run(tmp_path, "method='fedproto' num-server-rounds=2")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert f"results written to {tmp_path / 'e2e'}" in run.stdout
-    results = json.loads((tmp_path / "e2e" / "results.json").read_text())
-    assert [r["round"] for r in results["rounds"]] == [1, 2]
-    assert results["run_config"]["method"] == "fedproto"
-    assert results["rounds"][1]["bytes_down"] > 0  # global prototypes went out in round 2
-    assert results["rounds"][1]["personalized_accuracy"] > 0.5
-
-
-def test_a_diverged_run_ends_with_one_line_and_no_traceback(tmp_path):
-    run = flwr_run(tmp_path, "method='fedavg' num-server-rounds=3 lr=1e12")
+def test_a_diverged_run_and_a_refused_start_end_failed_with_one_line_and_no_traceback(tmp_path):
+    """The second run asks for the first one's run directory without resume=true: refused at its
+    start. Both end failed in `flwr ls`, each with its one line as the reason, and the check that
+    docs/user-guide/running.md gives scripts fails."""
+    (diverged, refused), listed = flwr_run(tmp_path, "method='fedavg' num-server-rounds=3 lr=1e12", runs=2)
     results = json.loads((tmp_path / "e2e" / "results.json").read_text())
     assert results["stopped"].startswith("round 1: 0 of 3 client updates usable")
-    assert f"protofl: the run stopped. {results['stopped']}" in run.stdout
-    assert "Traceback" not in run.stdout + run.stderr
-    assert f"results written to {tmp_path / 'e2e'}" in run.stdout
+    assert f"protofl: the run stopped. {results['stopped']}" in diverged.stdout
+    assert f"results written to {tmp_path / 'e2e'}" in diverged.stdout
+    assert "protofl: the run cannot start. " in refused.stdout and "resume=true continues it" in refused.stdout
+    for run in (diverged, refused):
+        assert "Traceback" not in run.stdout + run.stderr
+    by_start = sorted(json.loads(listed)["runs"], key=lambda run: run["pending-at"])
+    assert [run["status"] for run in by_start] == ["finished:failed"] * 2, by_start
+    assert results["stopped"] in by_start[0]["status-details"]
+    assert "resume=true continues it" in by_start[1]["status-details"]
+    check = re.search(r"\| python3 -c '\n(.*?)'\n", (ROOT / "docs" / "user-guide" / "running.md").read_text(), re.S)
+    scripted = subprocess.run([sys.executable, "-c", check.group(1)], input=listed, capture_output=True, text=True)
+    assert scripted.returncode == 1 and scripted.stdout.startswith("finished:failed"), scripted

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from protofl.task.models import build_model
+from protofl.task.models import build_model, model_bytes
 
 
 @pytest.mark.parametrize(
@@ -81,6 +81,13 @@ def test_models_built_on_threads_equal_those_built_alone(name):
     torch.manual_seed(123)
     build_model(name, 1, 10, 28, 5)
     assert torch.equal(torch.rand(1), expected_next)
+
+
+@pytest.mark.parametrize("name, channels, size", [("cnn", 1, 16), ("resnet18-gn", 3, 32), ("tv-googlenet", 3, 32)])
+def test_model_bytes_without_building_equal_the_built_models(name, channels, size):
+    model = build_model(name, channels, 10, size, seed=0)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert model_bytes(name, channels, 10, size) == sum(t.numel() * t.element_size() for t in tensors)
 
 
 def test_unknown_model_is_a_clear_error():

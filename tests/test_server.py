@@ -140,6 +140,21 @@ def test_evaluation_runs_every_eval_every_rounds_and_in_the_last(tmp_path):
     assert [r for r in range(1, 11) if config.is_eval_round(r)] == [3, 6, 9, 10]
 
 
+def test_flower_logs_no_traceback_for_a_run_that_failed_after_saying_why(caplog):
+    """The ServerApp raises RunFailed after its one line (tests/test_flwr_run.py: the run then ends
+    failed); Flower's "raised an exception" record with its traceback is dropped for it alone."""
+    from logging import ERROR
+
+    from flwr.common.logger import log
+
+    from protofl.server_app import RunFailed
+
+    with caplog.at_level(ERROR, logger="flwr"):
+        for error in (RunFailed("round 1: 0 of 3 client updates usable"), ValueError("a bug")):
+            log(ERROR, "ServerApp raised an exception", exc_info=error)
+    assert [type(record.exc_info[1]) for record in caplog.records] == [ValueError]
+
+
 def test_a_run_without_usable_updates_stops_with_one_line_and_keeps_its_results(tmp_path, monkeypatch, caplog):
     from inprocess import run_in_process
 

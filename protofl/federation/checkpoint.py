@@ -48,6 +48,7 @@ from flwr.common import Parameters, parameters_to_ndarrays
 from flwr.common.logger import log
 
 from protofl.federation import wire
+from protofl.federation.state_disk import StateDiskCheck
 from protofl.federation.wire import ClassVectors
 from protofl.task.privacy import RELEASES_FILE
 from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
@@ -154,13 +155,18 @@ class RunCheckpoints:
     after the last round), the run token that names this run's client state (a resumed run keeps
     it), and the round of the last one (the client state versions it still needs)."""
 
-    def __init__(self, settings: Any, recorder: Any, client_state_dir: str = "") -> None:
+    def __init__(self, settings: Any, recorder: Any, client_state_dir: str = "",
+                 state_bytes: Callable[[int], int] | None = None) -> None:
         """``client_state_dir``: where nodes that set no ``state-dir`` keep their state (simulation:
-        in the run directory); empty in a deployment, whose nodes choose their own."""
+        in the run directory); empty in a deployment, whose nodes choose their own. ``state_bytes``:
+        :class:`StateDiskCheck`'s."""
         self.every, self.last = settings.checkpoint_every, settings.num_server_rounds
         self.fresh_clients_allowed = settings.resume_fresh_clients
         self.recorder = recorder
         self.client_state_dir = client_state_dir
+        # the state dir on this machine's disks (a simulation's: its nodes run here), not memory
+        local = None if not client_state_dir or settings.state_dir == MEMORY else settings.state_dir or client_state_dir
+        self.state_disk = StateDiskCheck(local and Path(local).expanduser(), self.every, state_bytes)
         # where the clients' state is, for the error that says it is missing
         self.state_location = (
             "memory (state-dir='memory'), which restarted nodes no longer have" if settings.state_dir == MEMORY
@@ -216,9 +222,11 @@ class RunCheckpoints:
         self.recorder.write()
 
     def check_client_state(self, state_rounds: Mapping[int, int | None]) -> str | None:
-        """After a resume: why the run cannot go on (partitions whose nodes lost their state, see
-        :meth:`lost_state`), or None; with ``resume-fresh-clients`` such partitions are logged and
-        recorded in results.json (``fresh_clients``) instead."""
+        """Why the run cannot go on, or None: state that will not fit its disk (:class:`StateDiskCheck`),
+        or after a resume, partitions whose nodes lost their state (:meth:`lost_state`), which with
+        ``resume-fresh-clients`` are logged and recorded in results.json (``fresh_clients``) instead."""
+        if too_big := self.state_disk.refusal(state_rounds):
+            return too_big
         lost = self.lost_state(state_rounds)
         if not lost:
             return None

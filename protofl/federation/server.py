@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import time
 from logging import INFO, WARNING
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -132,9 +132,10 @@ class PrototypeStrategy(Strategy):
         recorder: RunRecorder | None = None,
         partition_sizes: ExpectedSizes | None = None,
         client_state_dir: str = "",
+        state_bytes: Callable[[int], int] | None = None,
     ) -> None:
         """``partition_sizes``: each partition's sizes from the server's own copy of the data set, which
-        the nodes' claims must match (``verify-partitions``); ``client_state_dir``: :class:`RunCheckpoints`'s."""
+        the nodes' claims must match (``verify-partitions``); the others: :class:`RunCheckpoints`'."""
         super().__init__()
         self.settings = settings
         self.options = self.options_class.from_settings(settings)
@@ -151,7 +152,8 @@ class PrototypeStrategy(Strategy):
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
-        self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir)
+        self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir,
+                                          state_bytes if self.options.keeps_client_state else None)
         self.sampled: list[int] = []
         self.round_started = 0.0
 
@@ -302,10 +304,6 @@ class PrototypeStrategy(Strategy):
             "pending_evaluation": self.evaluation.pending,
             "last_trained": self.checkpoints.state(),
         }
-
-    def save_checkpoint(self, server_round: int, parameters: Parameters) -> None:
-        """After a complete round: the run's checkpoint, when one is due."""
-        self.checkpoints.save(server_round, parameters, self.server_state)
 
     def resume_from(self, checkpoint: Checkpoint) -> None:
         """Continue after ``checkpoint``'s round: its method state, partitions, results and run token."""

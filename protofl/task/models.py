@@ -291,6 +291,14 @@ class SeededDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def model_bytes(name: str, in_channels: int, num_classes: int, image_size: int) -> int:
+    """The bytes of model ``name``'s parameters and buffers, built on torch's meta device (no memory,
+    no initialisation)."""
+    with torch.device("meta"):
+        model = MODELS[name](in_channels, num_classes, image_size)
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int, seed: int) -> SplitModel:
     """A freshly initialised model; the same seed gives the same weights everywhere, on any thread."""
     if name not in MODELS:
