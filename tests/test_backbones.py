@@ -32,7 +32,7 @@ BOUND = 1e3
 @pytest.fixture(scope="module")
 def cifar_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("cifar")
-    write_cifar(root, 10, [56] * 5, 50)  # 280 training images: 28 per client (below)
+    write_cifar(root, 10, [56] * 5, 20)  # 280 training images: 28 per client (below); 20 to score
     return str(root)
 
 

@@ -78,7 +78,7 @@ def test_insecure_deployment_runs_fedproto(tmp_path, insecure):
 
     # the app is unchanged between the paths: the same run in one process, its clients with one torch
     # thread as the nodes' ClientApps (num-threads=1), gives the same rounds, every number exactly (a
-    # Ray simulation gives the in-process numbers too: test_resume's flwr run kill test, FedProto's)
+    # Ray simulation gives the in-process numbers too: test_resume's flwr run kill test, FedSA's)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
