@@ -204,24 +204,31 @@ def test_class_counts_must_be_the_partitions_own_where_the_server_knows_them():
         ClassStatistics.from_metrics(metrics, 3, 2, 3, 10**6, expected_counts=np.array([1, 2, 0]))
 
 
-def test_arrays_are_decoded_one_header_at_a_time_across_threads(monkeypatch):
-    """numpy parses a .npy header with ast.literal_eval, and CPython 3.11 keeps the AST
-    constructor's recursion depth per interpreter, set from the calling thread's stack: two threads
-    parsing at once (clients on threads, tests/inprocess.py) raised "SystemError: AST constructor
-    recursion depth mismatch" in a `.ci/run`. Every decoder parses under one lock: never two at once."""
+def most_parses_at_once(monkeypatch, seconds):
+    """A list whose one entry becomes the most ast.parse calls seen in flight at once, each held
+    open ``seconds`` long enough for another thread to enter."""
     inside, most = [0], [0]
     parse = ast.parse
 
-    def slow_parse(*args, **kwargs):  # holds the parse open long enough for another thread to enter
+    def slow_parse(*args, **kwargs):
         inside[0] += 1
         most[0] = max(most[0], inside[0])
-        time.sleep(0.002)
+        time.sleep(seconds)
         try:
             return parse(*args, **kwargs)
         finally:
             inside[0] -= 1
 
     monkeypatch.setattr(ast, "parse", slow_parse)
+    return most
+
+
+def test_arrays_are_decoded_one_header_at_a_time_across_threads(monkeypatch):
+    """numpy parses a .npy header with ast.literal_eval, and CPython 3.11 keeps the AST
+    constructor's recursion depth per interpreter, set from the calling thread's stack: two threads
+    parsing at once (clients on threads, tests/inprocess.py) raised "SystemError: AST constructor
+    recursion depth mismatch" in a `.ci/run`. Every decoder parses under one lock: never two at once."""
+    most = most_parses_at_once(monkeypatch, 0.002)
     array = np.ones((3, 4), np.float32)
     blob, archive = encode_array(array), arrays_to_bytes({"a": array, "b": array})
 
@@ -240,18 +247,6 @@ def test_an_in_process_federations_clients_parse_one_header_at_a_time(monkeypatc
     """The in-process federation's clients train at once on Flower's thread pool, and Flower decodes
     each one's parameters with np.load (a header parse each): a `.ci/run` lost a client's round to
     "SystemError: AST constructor recursion depth mismatch" (round records, aggregation=median)."""
-    inside, most = [0], [0]
-    parse = ast.parse
-
-    def slow_parse(*args, **kwargs):
-        inside[0] += 1
-        most[0] = max(most[0], inside[0])
-        time.sleep(0.0005)
-        try:
-            return parse(*args, **kwargs)
-        finally:
-            inside[0] -= 1
-
-    monkeypatch.setattr(ast, "parse", slow_parse)
+    most = most_parses_at_once(monkeypatch, 0.0005)
     run_in_process({"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1})
     assert most == [1]
