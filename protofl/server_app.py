@@ -5,6 +5,7 @@ of a second of their arrival (:class:`PromptReplies`). A run that stopped ends f
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from logging import ERROR, INFO
@@ -141,9 +142,12 @@ def make_server_fn(
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict(), tracking)
+        @functools.cache
+        def architecture_bytes(name: str) -> int:
+            return model_bytes(name, dataset.in_channels, dataset.num_classes, dataset.image_size)
+
         def state_bytes(partition_id: int) -> int:  # its whole model: what a personal state holds
-            return model_bytes(client_architecture(settings.model, partition_id), dataset.in_channels,
-                               dataset.num_classes, dataset.image_size)
+            return architecture_bytes(client_architecture(settings.model, partition_id))
 
         strategy = strategy_class(settings, model, dataset.num_classes, global_test, recorder, partition_sizes=sizes,
                                   client_state_dir="" if deployment else str(directory / CLIENT_STATE),
