@@ -142,6 +142,7 @@ def make_server_fn(
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
         recorder = RunRecorder(directory, settings.as_dict(), tracking)
+
         @functools.cache
         def architecture_bytes(name: str) -> int:
             return model_bytes(name, dataset.in_channels, dataset.num_classes, dataset.image_size)

@@ -292,10 +292,10 @@ class SeededDraws(TorchFunctionMode):
 
 
 def model_bytes(name: str, in_channels: int, num_classes: int, image_size: int) -> int:
-    """The bytes of model ``name``'s parameters and buffers, built on torch's meta device (no memory,
-    no initialisation)."""
+    """The bytes of model ``name``'s parameters and buffers: :func:`build_model` on torch's meta
+    device (no memory, no initialisation)."""
     with torch.device("meta"):
-        model = MODELS[name](in_channels, num_classes, image_size)
+        model = build_model(name, in_channels, num_classes, image_size, seed=0)
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
