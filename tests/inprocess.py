@@ -5,14 +5,13 @@ run) is drawn only when asked for (``plot=True``): the Ray simulations, `flwr ru
 and the tracking tests draw it."""
 
 import contextlib
-import io
 from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
 from flwr.common import Context
+from flwr.compat.common import parameter as flower_parameter
 from flwr.server.client_proxy import ClientProxy
 
 from protofl.client_app import make_client_fn
@@ -64,7 +63,7 @@ def run_in_process(run_config, num_nodes=3, node_class=None, plot=False):
     torch.set_num_threads(1)
     try:
         with (contextlib.nullcontext() if plot else mock.patch("protofl.report.plot_curves", _not_drawn),
-              mock.patch("flwr.compat.common.parameter.bytes_to_ndarray", _bytes_to_ndarray_under_lock)):
+              mock.patch.object(flower_parameter, "bytes_to_ndarray", _bytes_to_ndarray_under_lock)):
             return _run(run_config, num_nodes, node_class)
     finally:
         torch.set_num_threads(threads)
@@ -74,12 +73,15 @@ def _not_drawn(runs, path):
     pass
 
 
+_flower_bytes_to_ndarray = flower_parameter.bytes_to_ndarray
+
+
 def _bytes_to_ndarray_under_lock(tensor):
     """Flower's decoding of one parameter array, under protofl's lock for numpy's header parse: the
     clients here decode on threads of one process (CPython 3.11's AST constructor is not
     thread-safe: protofl/task/storage.py), where Ray actors and SuperNodes decode in one each."""
     with NUMPY_HEADER_LOCK:
-        return np.load(io.BytesIO(tensor), allow_pickle=False)
+        return _flower_bytes_to_ndarray(tensor)
 
 
 def _run(run_config, num_nodes, node_class):

@@ -106,7 +106,7 @@ def test_client_with_malformed_payload_is_dropped_while_the_round_completes(tmp_
 
 def test_fednh_sends_prototypes_both_ways_and_reports_gm_pm_l_pm_v(tmp_path):
     results = in_process(tmp_path, "nh", method="fednh", model="fednh-cnn",
-                       **{"max-grad-norm": 10.0, "global-test-pm": True})
+                         **{"max-grad-norm": 10.0, "global-test-pm": True})
     from protofl.strategies import build_method_model
     from protofl.task.data import load_dataset
 
