@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The measurements of docs/results/gpu.md on a CUDA machine, from the project root:
-#   throughput: tv-resnet18, the CIFAR ResNet-18 and the CNN on CIFAR-10's shapes, fp32 eager
-#               against the defaults eager and captured, batch 64 (8 clients) and 10 (2 clients),
-#               1,875 training samples per client (CIFAR-10 over 20 clients, less the test split)
-#   tests:      pytest -m gpu tests/test_capture.py (captured steps against eager ones)
+#   tests:      pytest -m gpu tests/test_capture.py (captured steps, kept across clients, against eager ones)
+#   throughput: tv-resnet18 (batch 64 and 10), the CIFAR ResNet-18 and the CNN (batch 64) on CIFAR-10's
+#               shapes, fp32 eager against the defaults; tv-resnet18 at batch 64 again with every
+#               client capturing its own step (--kept-steps 0), and 1, 2, 4 clients in flight at
+#               once; 1,875 training samples per client (CIFAR-10 over 20 clients, less the test
+#               split), 8 clients (2 at batch 10 with fp32 eager steps)
+#   fedproto:   FedProto with tv-resnet18 beside PFLlib's, same data (benchmarks/pfllib_fedproto.sh)
 #   sweep:      every backbone at batch 64, fp32 eager against bf16 captured, NCHW and channels-last
-# Usage: OUT=<folder> bash benchmarks/gpu.sh [throughput|tests|sweep|all]  (tables and logs under $OUT)
+# Usage: OUT=<folder> bash benchmarks/gpu.sh [tests|throughput|fedproto|sweep|all]  (tables and logs under $OUT)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -15,28 +18,33 @@ mkdir -p "$OUT"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'"
-          --variant "defaults-eager=cuda-graphs='off'"
-          --variant "fp32-captured=amp='off' channels-last=false"
-          --variant "bf16-nchw-captured=amp='bf16' channels-last=false"
-          --variant "bf16-cl-captured=amp='bf16' channels-last=true")
-measure() {  # batch size, clients, data fraction, rounds
-  for model in ${MODELS:-tv-resnet18 resnet18 cnn}; do
+variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'" --variant "defaults=")
+measure() {  # batch size, clients, data fraction, rounds, models, extra arguments
+  for model in $5; do
     timeout ${MODEL_TIMEOUT:-60} python3 benchmarks/throughput.py \
-      --run-config "dataset='cifar10' partition='iid' data-fraction=$3 ${EXTRA:-}" --num-clients "$2" \
-      --batch-sizes "$1" --rounds "$4" --models "$model" "${variants[@]}" --out "/tmp/tp/$1-$model" 2>&1 \
+      --run-config "dataset='cifar10' partition='iid' data-fraction=$3" --num-clients "$2" \
+      --batch-sizes "$1" --rounds "$4" --models "$model" "${variants[@]}" ${6:-} --out "/tmp/tp/$1-$model${6:+-x}" 2>&1 \
       | grep -v " round [0-9]" | grep -v "^written" | tee -a "$OUT/throughput-bs$1.md"
-    cat "/tmp/tp/$1-$model/throughput.json" >> "$OUT/throughput.jsonl" 2>/dev/null
+    cat "/tmp/tp/$1-$model${6:+-x}/throughput.json" >> "$OUT/throughput.jsonl" 2>/dev/null
   done
 }
-if [ "$what" = throughput ] || [ "$what" = all ]; then
-  measure 64 8 0.4 2
-  measure 10 2 0.1 1
-fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -m gpu tests/test_capture.py -q -p no:cacheprovider --durations=12 \
     > "$OUT/gpu-tests.txt" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu-tests.txt"; grep -E "passed|failed|error|exit|Fatal|Error" "$OUT/gpu-tests.txt" | head -20
+fi
+if [ "$what" = throughput ] || [ "$what" = all ]; then
+  measure 64 8 0.4 2 tv-resnet18
+  measure 10 2 0.1 1 tv-resnet18
+  measure 64 8 0.4 2 tv-resnet18 "--kept-steps 0"
+  variants=(--variant "defaults=")  # several clients at once, one process: 1, 2 and 4 threads and streams
+  measure 64 8 0.4 2 tv-resnet18 "--in-flight 1,2,4"
+  measure 10 8 0.4 1 tv-resnet18 "--in-flight 1,2,4"
+  variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'" --variant "defaults=")
+  measure 64 8 0.4 2 "${MODELS:-resnet18 cnn}"
+fi
+if [ "$what" = fedproto ] || [ "$what" = all ]; then
+  SETUP=skip bash benchmarks/pfllib_fedproto.sh
 fi
 if [ "$what" = sweep ] || [ "$what" = all ]; then  # every backbone at batch 64, 4 clients of 2,500 samples
   variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'"

@@ -22,6 +22,12 @@ client's work, so that they are measured side by side. Training samples/s = the 
 ``train``; evaluation samples/s likewise. Writes ``throughput.json`` and ``throughput.md`` under
 ``--out``.
 
+``--in-flight K1,K2,...`` measures instead K clients' local training at once in this process: each
+on a thread and CUDA stream of its own, with its own model (and captured steps kept on its thread),
+client p on thread p mod K; training samples/s = the clients' training samples / the round's wall
+time (each client's weights loaded and its epoch trained). Its warm-up round runs the threads one
+after the other, so that each captures its steps while no other CUDA work runs.
+
 ``--processes N`` runs N such measurements at once, each in a process of its own with
 ``--threads`` torch threads, as N simulation actors share a machine; the table then gives their
 summed samples/s (e.g. 2 processes x 1 thread against 2 x 2 on 2 cores).
@@ -30,6 +36,7 @@ summed samples/s (e.g. 2 processes x 1 thread against 2 x 2 on 2 cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import re
@@ -37,6 +44,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +57,7 @@ from compare import machine_description, preset_overrides  # noqa: E402
 
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
 from protofl.task.augment import make_augment  # noqa: E402
+from protofl.task import capture  # noqa: E402
 from protofl.task.capture import resolve_cuda_graphs  # noqa: E402
 from protofl.task.data import DATASETS, SHAPES, black_level  # noqa: E402
 from protofl.task.models import build_model, client_architecture  # noqa: E402
@@ -168,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=OVERRIDES",
                         help="run-config overrides measured side by side with the others, per model and batch "
                         f"size, e.g. \"fp32-nchw={OLD_DEFAULTS}\" \"defaults=\" (default: the run config)")
+    parser.add_argument("--kept-steps", type=int, help="captured steps kept for the next clients (default: "
+                        f"protofl's, {capture.KEPT_STEPS}; 0: each client's training captures its own)")
+    parser.add_argument("--in-flight", default="", help="comma-separated K: K clients trained at once, "
+                        "each on a thread and CUDA stream of its own (training only)")
     parser.add_argument("--device", help="default: cuda when there is a GPU, else cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (a Ray ClientApp gets its num-cpus)")
     parser.add_argument("--processes", type=int, default=1, help="measurements at once, one process each")
@@ -188,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device) if args.device else get_device()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kept_steps is not None:
+        capture.KEPT_STEPS = args.kept_steps
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "benchmarks/throughput.py", *(sys.argv[1:] if argv is None else argv)])
@@ -202,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             settings = {label: ExperimentSettings.from_run_config(
                 defaults | parse_overrides(base) | {"model": model} | parse_overrides(overrides))
                 for label, overrides in variants.items()}
-            measured = measure(settings, clients, batch_size, args.rounds, device)
-            results += [{"model": model, "variant": label, "overrides": variants[label], "amp": s.amp,
+            in_flight = [int(k) for k in args.in_flight.split(",") if k.strip()]
+            measured = ([(f" x{k} in flight", measure_in_flight(settings, clients, batch_size, args.rounds, device, k))
+                         for k in in_flight] or [("", measure(settings, clients, batch_size, args.rounds, device))])
+            results += [{"model": model, "variant": label + suffix, "overrides": variants[label], "amp": s.amp,
                          "autocast": resolve_amp(s.amp, device, s.cuda_graphs), "channels_last": s.channels_last,
-                         "step": resolve_cuda_graphs(s.cuda_graphs, device), **measured[label]}
-                        for label, s in settings.items()]
+                         "step": resolve_cuda_graphs(s.cuda_graphs, device), **rows[label]}
+                        for suffix, rows in measured for label, s in settings.items()]
     channels, size, _, _ = SHAPES[base_settings.dataset]
     return report({
         "command": command,
@@ -217,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "processes": 1,
         "num_clients": num_clients,
         "rounds": args.rounds,
+        "kept_steps": capture.KEPT_STEPS,
         "data": {"dataset": base_settings.dataset, "shape": [channels, size, size], "clients": [
             {"num_train": len(c[1]), "num_test": len(c[3])} for c in clients]},
         "run_config": base_settings.as_dict(),
@@ -247,6 +265,58 @@ def at_once(argv: list[str], processes: int, out: Path) -> dict:
     return summary
 
 
+def measure_in_flight(variants: dict[str, ExperimentSettings], clients: list[tuple], batch_size: int, rounds: int,
+                      device: torch.device, in_flight: int) -> dict[str, dict]:
+    """``in_flight`` clients' local epochs at once (see ``--in-flight``), each variant in turn."""
+    some = next(iter(variants.values()))
+    channels, size, _, _ = SHAPES[some.dataset]
+    num_classes = DATASETS[some.dataset][0]
+    architectures = [client_architecture(some.model, p) for p in range(len(clients))]
+    fill = torch.from_numpy(black_level(some.dataset, some.normalisation)).expand(channels)
+    augment = make_augment(some.augment, fill)
+    global_weights = {a: get_weights(build_model(a, channels, num_classes, size, some.seed)) for a in set(architectures)}
+    workers = [ThreadPoolExecutor(max_workers=1) for _ in range(in_flight)]  # one lasting thread each
+    streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(in_flight)]
+    results = {}
+    for label, settings in variants.items():
+        models = [{a: build_model(a, channels, num_classes, size, some.seed).to(device) for a in set(architectures)}
+                  for _ in range(in_flight)]
+
+        def work(k: int, server_round: int) -> None:
+            with torch.cuda.stream(streams[k]) if streams[k] is not None else contextlib.nullcontext():
+                for p in range(k, len(clients), in_flight):
+                    model = models[k][architectures[p]]
+                    set_weights(model, global_weights[architectures[p]])
+                    train(model, clients[p][0], clients[p][1], augment=augment, **settings.train_arguments(
+                        1, client_seed(settings.seed, server_round, p)) | {"epochs": 1, "batch_size": batch_size})
+
+        seconds = []
+        for server_round in range(rounds + 1):  # round 0: warm-up, the threads one after the other
+            sync(device)
+            t0 = time.perf_counter()
+            if server_round == 0:
+                for k, worker in enumerate(workers):
+                    worker.submit(work, k, server_round).result()
+            else:
+                for future in [worker.submit(work, k, server_round) for k, worker in enumerate(workers)]:
+                    future.result()
+            sync(device)
+            if server_round > 0:
+                seconds.append(time.perf_counter() - t0)
+            print(f"{some.model} {label} batch {batch_size} x{in_flight} in flight round {server_round}: "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+        train_samples = sum(len(c[1]) for c in clients)
+        results[label] = {
+            "memory_format": "channels-last" if uses_channels_last(
+                models[0][architectures[0]], settings.channels_last, device, settings.cuda_graphs) else "NCHW",
+            "batch_size": batch_size, "in_flight": in_flight, "train_samples_per_round": train_samples,
+            "seconds_per_round": seconds, "train_samples_per_second": train_samples * rounds / sum(seconds),
+            "eval_samples_per_second": None, "mean_seconds_per_round": float(np.mean(seconds))}
+    for worker in workers:
+        worker.shutdown()
+    return results
+
+
 def report(summary: dict, out: Path) -> int:
     """Writes throughput.json and throughput.md, and prints the table."""
     channels, size, _ = summary["data"]["shape"]
@@ -266,7 +336,8 @@ def report(summary: dict, out: Path) -> int:
         reference = first.setdefault((r["model"], r["batch_size"]), r["train_samples_per_second"])
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['autocast']} | {r['memory_format']} | {r['step']} | "
-            f"{r['batch_size']} | {r['train_samples_per_second']:,.0f} | {r['eval_samples_per_second']:,.0f} | "
+            f"{r['batch_size']} | {r['train_samples_per_second']:,.0f} | "
+            f"{'-' if r['eval_samples_per_second'] is None else format(r['eval_samples_per_second'], ',.0f')} | "
             f"{r['mean_seconds_per_round']:.2f} | {r['train_samples_per_second'] / reference:.2f}x |")
     (out / "throughput.json").write_text(json.dumps(summary, indent=2))
     (out / "throughput.md").write_text("\n".join(lines) + "\n")

@@ -52,10 +52,11 @@ class InProcessProxy(ClientProxy):
         return None
 
 
-def run_in_process(run_config, num_nodes=3, node_class=None, plot=False):
+def run_in_process(run_config, num_nodes=3, node_class=None, plot=False, one_at_a_time=False):
     """(the strategy after the run, [(kind, instruction, reply), ...] of every message).
     ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client);
-    ``plot``: draw accuracy.png at the end, as every real run does (otherwise it is not written)."""
+    ``plot``: draw accuracy.png at the end, as every real run does (otherwise it is not written);
+    ``one_at_a_time``: the clients one after the other on one thread, as on a GPU (always there)."""
     threads = torch.get_num_threads()
     # one torch thread per client, as a Ray simulation gives each (client-resources-num-cpus=1): the
     # clients train at once on Flower's thread pool, and each calling thread with more than one
@@ -64,7 +65,7 @@ def run_in_process(run_config, num_nodes=3, node_class=None, plot=False):
     try:
         with (contextlib.nullcontext() if plot else mock.patch("protofl.report.plot_curves", _not_drawn),
               mock.patch.object(flower_parameter, "bytes_to_ndarray", _bytes_to_ndarray_under_lock)):
-            return _run(run_config, num_nodes, node_class)
+            return _run(run_config, num_nodes, node_class, one_at_a_time)
     finally:
         torch.set_num_threads(threads)
 
@@ -84,7 +85,7 @@ def _bytes_to_ndarray_under_lock(tensor):
         return _flower_bytes_to_ndarray(tensor)
 
 
-def _run(run_config, num_nodes, node_class):
+def _run(run_config, num_nodes, node_class, one_at_a_time):
     empty = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     components = make_server_fn(run_config)(empty)
     server, messages = components.server, []  # clients on Flower's thread pool, as in a real run
@@ -94,7 +95,7 @@ def _run(run_config, num_nodes, node_class):
         context = Context(run_id=1, node_id=100 + p, node_config=node_config, state=RecordDict(), run_config={})
         proxy = (node_class(p) if node_class else InProcessProxy)(str(1000 + p), client_fn, context, messages)
         server.client_manager().register(proxy)
-    if torch.cuda.is_available():
+    if one_at_a_time or torch.cuda.is_available():
         # one client at a time on a GPU, as a Ray actor or a SuperNode runs them: CUDA work on other
         # threads while one captures its training step broke the capture (cuDNN internal errors)
         server.set_max_workers(1)

@@ -15,11 +15,19 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS, get_method
 from protofl.task.augment import make_augment
 from protofl.task.models import build_model
-from protofl.task.capture import resolve_cuda_graphs
+from protofl.task.capture import DeviceMeans, StepState, release_kept_steps, resolve_cuda_graphs
 from protofl.task.train import FeatureSums, train
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def no_kept_steps():
+    """Each test starts without the steps an earlier one kept on this thread."""
+    release_kept_steps()
+    yield
+    release_kept_steps()
 
 
 def data(n=70, device="cpu", seed=0):
@@ -89,6 +97,74 @@ def test_an_extra_loss_and_its_sums_on_the_device_train_as_in_the_plain_loop(mon
     assert int(got[2].counts.sum()) == 4 * 16
 
 
+def kept_step_loads(monkeypatch):
+    """A list that grows by one each time a kept step takes a client's tensors."""
+    loads = []
+    original = capture_module.KeptStep.load
+
+    def counting(self, tensors, state):
+        loads.append(len(tensors))
+        return original(self, tensors, state)
+
+    monkeypatch.setattr(capture_module.KeptStep, "load", counting)
+    return loads
+
+
+def client_training(cuda_graphs, seed, n=70, lr=0.05, device="cpu"):
+    """(weights, mean loss, training-mode feature sums, loss-part means) of one client: its own
+    init and data, a loss that reads a tensor of its own, sums of the last epoch's features."""
+    net = build_model("cnn", 1, 10, 16, seed=seed).to(device)
+    x, y = data(n, device, seed)
+    target = torch.randn(10, 512, generator=torch.Generator().manual_seed(seed)).to(device)
+    seen, parts = FeatureSums(10, 512, torch.device(device), skip=2), DeviceMeans()
+
+    def extra_loss(features, logits, labels):
+        seen.add(features, labels)
+        pull = (features - target[labels]).pow(2).mean()
+        parts.add(pull=pull)
+        return 0.01 * pull
+
+    loss = train(net, x, y, extra_loss=extra_loss, step_state=StepState((), {"target": target}, [seen, parts]),
+                 cuda_graphs=cuda_graphs, epochs=2, batch_size=16, lr=lr, seed=seed, momentum=0.9,
+                 partial_batch="keep")
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss, seen, parts.means()
+
+
+def assert_same_training(got, want, exact=True):
+    close = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-3, atol=1e-4))
+    assert got[1] == (want[1] if exact else pytest.approx(want[1], rel=1e-4))
+    for name, tensor in want[0].items():
+        assert close(got[0][name], tensor), name
+    assert torch.equal(got[2].counts, want[2].counts) and close(got[2].sums, want[2].sums)
+    assert got[3].keys() == want[3].keys() == {"pull"}
+    assert got[3]["pull"] == (want[3]["pull"] if exact else pytest.approx(want[3]["pull"], rel=1e-4))
+
+
+@pytest.mark.parametrize("n", [70, 40, 12], ids=["as-many", "fewer", "one-partial-batch"])
+def test_a_step_kept_from_one_client_trains_the_next_as_the_plain_loop(monkeypatch, n):
+    """The next client's weights, loss input, momentum (zeroed: its first step's is its gradient)
+    and sums go through the step kept from the first: full and partial batches alike."""
+    loads = kept_step_loads(monkeypatch)
+    want = client_training("off", seed=2, n=n)
+    client_training("static", seed=1)
+    assert loads == []
+    got = client_training("static", seed=2, n=n)
+    assert len(loads) == 1
+    assert_same_training(got, want)
+
+
+def test_a_step_is_kept_only_for_the_same_arguments(monkeypatch):
+    loads = kept_step_loads(monkeypatch)
+    client_training("static", seed=1)
+    client_training("static", seed=2, lr=0.1)  # another learning rate: a step of its own
+    trained("static")  # another loss: a step of its own
+    assert loads == []
+    client_training("static", seed=3)
+    client_training("static", seed=4, lr=0.1)
+    trained("static", model="cnn")
+    assert len(loads) == 3
+
+
 def test_feature_sums_skip_their_first_batches_counting_on_the_device():
     seen = FeatureSums(3, 2, torch.device("cpu"), skip=1)
     seen.add(torch.tensor([[float("nan"), 1.0]]), torch.tensor([1]))  # skipped, even a NaN
@@ -142,12 +218,14 @@ RUN = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "batch-si
 @pytest.mark.parametrize("method", ["fedproto", "fedsa"])
 def test_a_run_through_the_captured_steps_code_equals_the_plain_run(tmp_path, monkeypatch, method):
     """The client plumbing: prototypes received, loss parts and training-mode prototypes recorded
-    on the device, as in the plain loop (FedSA: its three loss parts and during-train prototypes)."""
-    steps = counted_steps(monkeypatch)
+    on the device, as in the plain loop (FedSA: its three loss parts and during-train prototypes),
+    clients after the first of a thread through the step kept from it."""
+    steps, loads = counted_steps(monkeypatch), kept_step_loads(monkeypatch)
     for name, graphs in (("off", "off"), ("static", "static")):
         run_in_process(RUN | {"method": method, "output-dir": str(tmp_path), "run-name": name, "cuda-graphs": graphs},
-                       num_nodes=2)
+                       num_nodes=3, one_at_a_time=graphs == "static")
     assert steps, "the static step never ran"
+    assert loads, "no client trained through a kept step"
     assert_same_rounds(tmp_path / "static", tmp_path / "off")
 
 
@@ -193,6 +271,17 @@ def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, float32_o
     for name, tensor in want_weights.items():
         if tensor.is_floating_point():
             torch.testing.assert_close(got_weights[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_step_kept_from_one_client_trains_the_next_as_the_eager_step_on_cuda(monkeypatch, float32_on_cuda):
+    done, loads = captures(monkeypatch), kept_step_loads(monkeypatch)
+    want = client_training("off", seed=2, device="cuda")
+    client_training("auto", seed=1, device="cuda")
+    got = client_training("auto", seed=2, device="cuda")
+    assert done == [True] and len(loads) == 1
+    assert_same_training(got, want, exact=False)
 
 
 def rounds(path):

@@ -12,7 +12,8 @@ entries, the training size and the metrics go up.
 the local test split (and, with ``global-test-pm``, on the global test set).
 
 Hooks (see docs/adding-a-method.md): ``options_class``, ``receive``, ``batch_loss``,
-``prototype_vectors``, ``local_statistics``, ``after_fit``, ``prepare_evaluation``,
+``step_constants`` and ``step_inputs`` (what ``batch_loss`` computes from, for a captured step
+that serves several clients), ``prototype_vectors``, ``local_statistics``, ``after_fit``, ``prepare_evaluation``,
 ``predictors``; the method's options ``prototype_pass`` and ``inference``, when it has them, choose
 where class statistics come from and which predictor is reported. Helpers: ``load_shared``, ``restore_personal_model`` /
 ``store_personal_model`` (a model kept on the node across rounds), ``received`` /
@@ -22,7 +23,7 @@ the fit metrics).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ from protofl.federation.wire import (
 )
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.augment import make_augment
-from protofl.task.capture import DeviceMeans
+from protofl.task.capture import DeviceMeans, StepState
 from protofl.task.data import ClientData, black_level
 from protofl.task.models import SplitModel
 from protofl.task.train import (
@@ -103,6 +104,14 @@ class PrototypeClient(NumPyClient):
         """The method's loss added to the cross-entropy of one training mini-batch; None: nothing."""
         return None
 
+    def step_constants(self) -> Hashable | None:
+        """Python values ``batch_loss`` uses this round beyond the options (a margin): a captured step
+        serves the next clients with equal ones, :meth:`step_inputs` copied in. None: it does not."""
+        return () if type(self).batch_loss is PrototypeClient.batch_loss else None
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:  # tensors batch_loss reads besides the model's
+        return {}
+
     def prototype_vectors(self, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The vectors whose per-class means are the class statistics (default: the features, or the
         logits with ``statistics = "logit"``)."""
@@ -148,7 +157,7 @@ class PrototypeClient(NumPyClient):
         self.receive(parameters, config)
         seen = self.prototype_collector()
         loss = train(self.model, self.data.train_x, self.data.train_y, extra_loss=self._extra_loss(seen),
-                     **self.train_kwargs(config))
+                     step_state=step_state(self, seen), **self.train_kwargs(config))
         if self.recompute_batchnorm():  # in the eval pass's precision and memory format
             recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed),
                                       **self.precision)
@@ -189,9 +198,8 @@ class PrototypeClient(NumPyClient):
 
     @property
     def local_state(self) -> dict[str, np.ndarray]:
-        """Named arrays this client keeps for its partition across rounds (a personal model,
-        FedSA's margin, ...): what it saved after its last fit before this round; saved again
-        after this fit. Never sent."""
+        """Named arrays kept for this partition across rounds (a personal model, FedSA's margin): as
+        its last fit before this round saved them; saved again after this fit. Never sent."""
         return self.state.arrays
 
     def shared_arrays(self) -> list[np.ndarray]:
@@ -311,3 +319,13 @@ class PrototypeClient(NumPyClient):
         inference = getattr(self.options, "inference", None)
         reported = inference if inference in predictors else next(iter(predictors))
         return local_scores(self.forward, self.data, predictors, reported, self.settings)
+
+
+def step_state(client: PrototypeClient, seen: FeatureSums | None) -> StepState | None:
+    """What ``client``'s training step reads and writes, for a captured step kept across clients
+    (None: its method does not say, see :meth:`PrototypeClient.step_constants`)."""
+    constants = client.step_constants()
+    if constants is None:
+        return None
+    accumulators = [seen, client.loss_parts] if seen is not None else [client.loss_parts]
+    return StepState((type(client), repr(client.settings), constants), client.step_inputs(), accumulators)

@@ -103,6 +103,15 @@ class FedProtoClient(PrototypeClient):
             return None
         return self.options.lambda_ * prototype_loss(features, labels, *self.received_prototypes)
 
+    def step_constants(self):
+        return self.received_prototypes is None
+
+    def step_inputs(self):
+        if self.received_prototypes is None:
+            return {}
+        prototypes, available = self.received_prototypes
+        return {"received_prototypes": prototypes, "available_classes": available}
+
     def after_fit(self, statistics):
         if not self.options.average_parameters:
             self.store_personal_model()

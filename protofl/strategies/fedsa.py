@@ -241,6 +241,12 @@ class FedSAClient(PrototypeClient):
             + self.options.lambda_cc * calibration
         )
 
+    def step_constants(self):
+        return self.margin, self.lambda_mcl
+
+    def step_inputs(self):
+        return {"anchors": self.anchors}
+
     def after_fit(self, statistics):
         """Keeps the model and the margin of the uploaded prototypes (Eq. 2, training-mode features)."""
         own_margin = MARGINS[self.options.margin](torch.from_numpy(statistics.means[statistics.counts > 0]))

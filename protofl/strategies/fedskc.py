@@ -267,6 +267,15 @@ class FedSKCClient(PrototypeClient):
         self.record_loss(**{LCL_LOSS: lcl})
         return self.lcl_weight * lcl
 
+    def step_constants(self):
+        return self.global_knowledge is None, self.lcl_weight
+
+    def step_inputs(self):
+        if self.global_knowledge is None:
+            return {}
+        knowledge, classes = self.global_knowledge
+        return {"knowledge": knowledge, "classes": classes}
+
     def local_statistics(self, seen) -> ClassStatistics:
         """Knowledge: per-class mean logits, through SiLU with ``silu`` (the paper)."""
         statistics = super().local_statistics(seen)

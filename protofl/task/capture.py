@@ -3,9 +3,10 @@ record: sums kept on the device, which a replay updates without the host."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
-from typing import Callable, Literal, get_args
+from typing import Any, Callable, Hashable, Literal, Protocol, Sequence, get_args
 
 import torch
 
@@ -15,6 +16,7 @@ import torch
 CudaGraphs = Literal["auto", "off", "static"]
 CUDA_GRAPHS = get_args(CudaGraphs)
 CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before the capture (lazy CUDA and optimizer state)
+KEPT_STEPS = 4  # captured steps a thread keeps for the next clients (one per kind of step it trained)
 
 
 def resolve_cuda_graphs(cuda_graphs: CudaGraphs, device: torch.device) -> Literal["off", "captured", "static"]:
@@ -122,3 +124,105 @@ class DeviceMeans:
 
     def means(self) -> dict[str, float]:
         return {name: float(total / batches) for name, (total, batches) in self.sums.items()}
+
+    def step_key(self) -> Hashable:
+        return ()
+
+    def reset(self) -> None:
+        for total, batches in self.sums.values():
+            total.zero_()
+            batches.zero_()
+
+    def take(self, other: DeviceMeans) -> None:
+        self.sums = {name: (total.clone(), batches.clone()) for name, (total, batches) in other.sums.items()}
+
+
+class Accumulator(Protocol):
+    """Sums a training step adds to on the device (:class:`DeviceMeans`, ``FeatureSums``)."""
+
+    def step_key(self) -> Hashable:
+        """The Python values the sums' code computes with (part of a kept step's key)."""
+
+    def reset(self) -> None:
+        """Zero every sum."""
+
+    def take(self, other: Any) -> None:
+        """Hold ``other``'s sums (another object of the same kind and key)."""
+
+
+class StepState:
+    """What a method's training step reads and writes besides the model and its optimizer, so that
+    a captured step may train the next clients of its process (:class:`KeptStep`): ``constants``,
+    the Python values the step computes with (hashable); ``inputs``, the tensors it reads (e.g.
+    received prototypes), copied into the kept step's before a client's steps; ``accumulators``,
+    the sums it adds to, zeroed before and taken back after."""
+
+    def __init__(self, constants: Hashable = (), inputs: dict[str, torch.Tensor] | None = None,
+                 accumulators: Sequence[Accumulator] = ()) -> None:
+        self.constants, self.inputs, self.accumulators = constants, dict(inputs or {}), list(accumulators)
+
+    def key(self) -> Hashable:
+        inputs = tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(self.inputs.items()))
+        return self.constants, inputs, tuple((type(a), a.step_key()) for a in self.accumulators)
+
+
+class KeptStep:
+    """A captured training step kept after the client it was captured for: the model, optimizer,
+    loss sum and :class:`StepState` of that client are its static tensors. A later client of the
+    same key trains on it (:meth:`load`, the steps, :meth:`unload`): its model's tensors and
+    inputs copied in, the momentum buffers and sums zeroed (a first step's momentum ``0 * m + g``
+    is ``g``, as a fresh optimizer's), and the results copied back to its own objects."""
+
+    def __init__(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], velocity: list,
+                 total: torch.Tensor, step: Callable, captured: CapturedStep, state: StepState) -> None:
+        self.model, self.tensors, self.velocity, self.total = model, tensors, velocity, total
+        self.step, self.captured, self.state = step, captured, state
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor], state: StepState) -> None:
+        for name, tensor in tensors.items():
+            self.tensors[name].copy_(tensor)
+        for name, tensor in state.inputs.items():
+            self.state.inputs[name].copy_(tensor)
+        kept = [v for v in self.velocity if v is not None]
+        if kept:
+            torch._foreach_zero_(kept)
+        self.total.zero_()
+        for accumulator in self.state.accumulators:
+            accumulator.reset()
+        self.model.train()
+
+    @torch.no_grad()
+    def unload(self, tensors: dict[str, torch.Tensor], state: StepState) -> None:
+        for name, tensor in tensors.items():
+            tensor.copy_(self.tensors[name])
+        for accumulator, kept in zip(state.accumulators, self.state.accumulators):
+            accumulator.take(kept)
+
+
+_kept = threading.local()  # per thread: key -> KeptStep, the most recently used last
+
+
+def kept_step(key: Hashable) -> KeptStep | None:
+    """The step this thread keeps for ``key`` (None: none)."""
+    steps = getattr(_kept, "steps", None)
+    if steps is None or key not in steps:
+        return None
+    steps.move_to_end(key)
+    return steps[key]
+
+
+def keep_step(key: Hashable, step: KeptStep) -> None:
+    """Keep ``step`` for the next clients of this thread; the least recently used of more than
+    :data:`KEPT_STEPS` is released."""
+    steps = _kept.__dict__.setdefault("steps", collections.OrderedDict())
+    steps[key] = step
+    while len(steps) > KEPT_STEPS:
+        steps.popitem(last=False)[1].captured.release()
+
+
+def release_kept_steps() -> None:
+    """Release every step this thread keeps (their graphs first, then their tensors)."""
+    for step in getattr(_kept, "steps", {}).values():
+        step.captured.release()
+    _kept.__dict__.pop("steps", None)

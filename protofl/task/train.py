@@ -12,7 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.task.augment import Augment, drawn_to
-from protofl.task.capture import CAPTURE_WARMUP_STEPS, CapturedStep, CudaGraphs, resolve_cuda_graphs
+from protofl.task.capture import (
+    CAPTURE_WARMUP_STEPS,
+    CapturedStep,
+    CudaGraphs,
+    KeptStep,
+    StepState,
+    keep_step,
+    kept_step,
+    resolve_cuda_graphs,
+)
+from protofl.task.weights import all_tensors
 
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
 ExtraLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -59,6 +69,7 @@ def train(
     amp: Amp = "off",
     channels_last: ChannelsLast = False,
     cuda_graphs: CudaGraphs = "off",
+    step_state: StepState | None = None,
 ) -> float:
     """SGD over shuffled mini-batches; returns the mean training loss.
 
@@ -72,17 +83,67 @@ def train(
     gradients and the optimiser stay float32); ``channels_last`` keeps the model and 4-D batches in
     ``torch.channels_last`` memory format (``"auto"``: where the backbone trains faster so,
     :func:`uses_channels_last`). ``cuda_graphs``: full batches through a :class:`CapturedStep`
-    (:func:`resolve_cuda_graphs`); ``extra_loss`` must then be capturable (see there). The loss is
-    summed on the device and read once, at the end.
+    (:func:`resolve_cuda_graphs`); ``extra_loss`` must then be capturable (see there). The
+    captured step is kept for the next ``train`` of this thread whose model, data and arguments
+    have the same shapes and values (:class:`KeptStep`): with ``extra_loss``, only when
+    ``step_state`` says what it reads and writes. The loss is summed on the device and read once,
+    at the end.
     """
     autocast = _autocast(amp, x.device, cuda_graphs)
     channels_last = _to_channels_last(model, x, channels_last, cuda_graphs)
     model.train()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     n = len(y)
-    total = torch.zeros((), device=x.device)  # the summed losses, on the device: no sync per step
+    kind = resolve_cuda_graphs(cuda_graphs, x.device)
+    full_batches = epochs * (n // batch_size)
+    if step_state is None and extra_loss is None:
+        step_state = StepState()
+    key = kept = None
+    if kind != "off" and step_state is not None:
+        tensors = all_tensors(model)
+        structure = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in tensors.items())
+        key = (type(model), structure, tuple(x.shape[1:]), x.dtype, y.dtype, str(x.device), batch_size, lr,
+               momentum, weight_decay, max_grad_norm, resolve_amp(amp, x.device, cuda_graphs), channels_last, kind,
+               extra_loss is None, step_state.key())
+        kept = kept_step(key)
+    if kept is not None:  # a step captured for an earlier client: this one's tensors go through it
+        kept.load(tensors, step_state)
+        step, captured, total = kept.step, kept.captured, kept.total
+    else:
+        step, optimizer, total = _training_step(model, autocast, lr, momentum, weight_decay, max_grad_norm, extra_loss)
+        captured = (CapturedStep(step, static=kind == "static")
+                    if kind != "off" and full_batches > CAPTURE_WARMUP_STEPS else None)
+    steps = 0
+    for _ in range(epochs):
+        order = drawn_to(torch.randperm(n, generator=generator), x.device)
+        for start in range(0, n, batch_size):
+            batch = order[start : start + batch_size]
+            if _skipped(len(batch), n, batch_size, partial_batch):
+                continue
+            inputs = x[batch] if augment is None else augment(x[batch], generator)
+            if channels_last:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch])
+            steps += 1
+    mean_loss = float(total) / max(steps, 1)
+    if kept is not None:
+        kept.unload(tensors, step_state)
+    elif captured is not None:
+        optimizer.zero_grad()  # the gradients live in the graph's memory: none outlive it
+        if key is not None and (captured.graph is not None or captured.static):
+            keep_step(key, KeptStep(model, tensors, optimizer.velocity, total, step, captured, step_state))
+        else:
+            captured.release()
+    return mean_loss
+
+
+def _training_step(model: nn.Module, autocast: contextlib.AbstractContextManager, lr: float, momentum: float,
+                   weight_decay: float, max_grad_norm: float, extra_loss: ExtraLoss | None):
+    """(step, its optimizer, its summed loss): ``step(inputs, labels)`` trains ``model`` on one
+    batch: forward, the loss, backward, clipping, the SGD step, the loss added to the sum."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    total = torch.zeros((), device=next(model.parameters()).device)  # on the device: no sync per step
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
         with autocast:
@@ -98,27 +159,7 @@ def train(
         optimizer.step()
         total.add_(loss.detach())
 
-    kind = resolve_cuda_graphs(cuda_graphs, x.device)
-    full_batches = epochs * (n // batch_size)
-    captured = (CapturedStep(step, static=kind == "static") if kind != "off" and full_batches > CAPTURE_WARMUP_STEPS
-                else None)
-    steps = 0
-    for _ in range(epochs):
-        order = drawn_to(torch.randperm(n, generator=generator), x.device)
-        for start in range(0, n, batch_size):
-            batch = order[start : start + batch_size]
-            if _skipped(len(batch), n, batch_size, partial_batch):
-                continue
-            inputs = x[batch] if augment is None else augment(x[batch], generator)
-            if channels_last:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
-            (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch])
-            steps += 1
-    mean_loss = float(total) / max(steps, 1)
-    if captured is not None:
-        optimizer.zero_grad()  # the gradients live in the graph's memory: none outlive it
-        captured.release()
-    return mean_loss
+    return step, optimizer, total
 
 
 class SGD:
@@ -339,6 +380,17 @@ class FeatureSums:
         self.counts = torch.zeros(num_classes, dtype=torch.long, device=device)
         self.skip = skip
         self.batches = torch.zeros((), dtype=torch.long, device=device)  # seen so far, counted on the device
+
+    def step_key(self) -> tuple:
+        return tuple(self.sums.shape), self.sums.dtype, self.skip
+
+    def reset(self) -> None:
+        for tensor in (self.sums, self.counts, self.batches):
+            tensor.zero_()
+
+    def take(self, other: FeatureSums) -> None:
+        for tensor, kept in ((self.sums, other.sums), (self.counts, other.counts), (self.batches, other.batches)):
+            tensor.copy_(kept)
 
     def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         """Count a batch, on the device and without waiting for the host (a captured step replays it)."""
