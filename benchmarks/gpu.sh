@@ -41,7 +41,7 @@ if [ "$what" = throughput ] || [ "$what" = all ]; then
   measure 64 8 0.4 2 tv-resnet18 "--in-flight 1,2,4"
   measure 10 8 0.4 1 tv-resnet18 "--in-flight 1,2,4"
   variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'" --variant "defaults=")
-  measure 64 8 0.4 2 "${MODELS:-resnet18 cnn}"
+  measure 64 8 0.4 2 "${MODELS-resnet18 cnn}"
 fi
 if [ "$what" = fedproto ] || [ "$what" = all ]; then
   SETUP=skip bash benchmarks/pfllib_fedproto.sh
