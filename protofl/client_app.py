@@ -24,14 +24,16 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import threading
 from logging import INFO
 from typing import Any, Callable, Mapping
 
 import torch
 from flwr.client import Client, ClientApp
-from flwr.common import Context
+from flwr.common import Context, Message
 from flwr.common.logger import log
 
 from protofl.federation.checkpoint import ClientStateStore
@@ -39,7 +41,9 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
 from protofl.task.resources import ray_cpus
+from protofl.task.models import client_architecture
 from protofl.task.train import compute_description, get_device
+from protofl.task.weights import all_tensors
 
 
 def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], Client]:
@@ -53,7 +57,7 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         use_threads(context.node_config)
         device = get_device()
         data = node_data(settings, context.node_config, str(device))
-        model = build_method_model(settings, data, str(context.node_config.get("model", "")) or None)
+        model = worker_model(settings, data, str(context.node_config.get("model", "")) or None)
         _, client_class = get_method(settings.method)
         num_partitions = int(context.node_config["num-partitions"])
         state_dir = str(context.node_config.get("state-dir", settings.state_dir))
@@ -63,6 +67,58 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         return client.to_client()
 
     return client_fn
+
+
+class _WorkerModel:
+    """A model a thread keeps for its next messages, with its values as built."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.in_use = model, True
+        self.initial = {name: t.detach().clone() for name, t in all_tensors(model).items()}
+
+    @torch.no_grad()
+    def reset(self) -> torch.nn.Module:
+        for name, tensor in all_tensors(self.model).items():
+            tensor.copy_(self.initial[name])
+        for parameter in self.model.parameters():
+            parameter.grad = None
+        self.in_use = True
+        return self.model
+
+
+_worker_models = threading.local()  # per thread: key -> _WorkerModel, the most recently used last
+KEPT_MODELS = 4  # kinds of model a thread keeps
+
+
+def worker_model(settings: ExperimentSettings, data: ClientData, architecture: str | None) -> torch.nn.Module:
+    """The method's model for this message's client, as :func:`build_method_model` builds it: one
+    model per thread and kind (architecture, shapes, settings), set back to its initial values for
+    each message once the message that used it has ended (:func:`release_worker_models`, a mod of
+    :data:`app`), instead of built anew (building tv-resnet18 takes a few hundred milliseconds of
+    CPU, every message). A model still in use (a client outside a ClientApp's message) is not shared."""
+    name = architecture or client_architecture(settings.model, data.partition_id)
+    key = (name, data.in_channels, data.num_classes, data.image_size, repr(settings))
+    models = _worker_models.__dict__.setdefault("models", collections.OrderedDict())
+    kept = models.get(key)
+    if kept is not None and not kept.in_use:
+        models.move_to_end(key)
+        return kept.reset()
+    model = build_method_model(settings, data, architecture)
+    if kept is None:
+        models[key] = _WorkerModel(model)
+        while len(models) > KEPT_MODELS:
+            models.popitem(last=False)
+    return model
+
+
+def release_worker_models(message: Message, context: Context,
+                          call_next: Callable[[Message, Context], Message]) -> Message:
+    """A ClientApp mod: after each message, this thread's models are free for the next one."""
+    try:
+        return call_next(message, context)
+    finally:
+        for kept in getattr(_worker_models, "models", {}).values():
+            kept.in_use = False
 
 
 def use_threads(node_config: Mapping[str, Any]) -> None:
@@ -116,4 +172,4 @@ def node_data(settings: ExperimentSettings, node_config: Mapping[str, Any], devi
                           num_classes=DATASETS[settings.dataset][0])
 
 
-app = ClientApp(client_fn=make_client_fn())
+app = ClientApp(client_fn=make_client_fn(), mods=[release_worker_models])

@@ -1,5 +1,6 @@
 """A federation in one process, without Ray: protofl's ServerApp and ClientApp factories, a fresh
-client per message and a persistent ``context.state`` per node, as Flower runs them; every
+client per message (its model a thread's own, as the ClientApp's mod frees it after each message)
+and a persistent ``context.state`` per node, as Flower runs them; every
 message is kept for inspection. The run's accuracy plot (accuracy.png, 0.3-0.5 s of matplotlib a
 run) is drawn only when asked for (``plot=True``): the Ray simulations, `flwr run`, the deployments
 and the tracking tests draw it."""
@@ -14,7 +15,7 @@ from flwr.common import Context
 from flwr.compat.common import parameter as flower_parameter
 from flwr.server.client_proxy import ClientProxy
 
-from protofl.client_app import make_client_fn
+from protofl.client_app import make_client_fn, release_worker_models
 from protofl.server_app import make_server_fn
 from protofl.strategies import METHODS
 from protofl.task.storage import NUMPY_HEADER_LOCK
@@ -32,7 +33,8 @@ class InProcessProxy(ClientProxy):
         self.client_fn, self.context, self.messages = client_fn, context, messages
 
     def _call(self, kind, ins):
-        reply = getattr(self.client_fn(self.context), kind)(ins)
+        # as the ClientApp's mod ends each message: this thread's model is free for its next one
+        reply = release_worker_models(None, self.context, lambda _, context: getattr(self.client_fn(context), kind)(ins))
         self.messages.append((kind, ins, reply))
         return reply
 

@@ -218,3 +218,40 @@ def test_a_batchnorm_client_uploads_class_means_of_the_size_of_its_training_feat
         features = torch.cat([client.model(x)[0] for x in data.train_x.split(10)])
     training_mode = np.linalg.norm(class_means(features, data.train_y, 10)[0], axis=1)
     assert uploaded.max() < 2 * training_mode.max()
+
+
+def test_a_thread_gives_its_model_to_its_next_message_set_back_as_built():
+    """One model per worker: once a message has ended (the ClientApp's mod), the thread's next
+    client gets the same model with every tensor as built (FedNH's: its cosine head too), not one
+    built anew; a model still in use, or of another kind, is never shared."""
+    from protofl.client_app import release_worker_models, worker_model
+    from protofl.strategies import build_method_model
+    from protofl.task.weights import all_tensors
+
+    settings = ExperimentSettings(dataset="digits", method="fednh")
+    data = load_client_data("digits", "", settings.partition_spec(2), 0)
+    built = all_tensors(build_method_model(settings, data))
+
+    def message(work):
+        return release_worker_models(None, None, lambda _message, _context: work())
+
+    def used(model):  # a training step's traces: weights, BatchNorm statistics, gradients
+        model.train()
+        model(data.train_x[:8])[1].sum().backward()
+        with torch.no_grad():
+            for tensor in all_tensors(model).values():
+                tensor.add_(1)
+        return model
+
+    def as_built(model):
+        tensors = all_tensors(model)
+        return tensors.keys() == built.keys() and all(torch.equal(tensors[k], v) for k, v in built.items())
+
+    first = message(lambda: used(worker_model(settings, data, None)))
+    assert not as_built(first)
+    second = message(lambda: worker_model(settings, data, None))
+    assert second is first and as_built(second) and all(p.grad is None for p in second.parameters())
+    held = worker_model(settings, data, None)  # outside a message: in use until one ends
+    assert held is first and worker_model(settings, data, None) is not held
+    other = ExperimentSettings(dataset="digits", method="fednh", seed=1)
+    assert message(lambda: worker_model(other, data, None)) is not held
