@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
 # One-time set-up: a virtual environment with pinned dependencies, and a project-local Flower
-# home whose default simulation has 10 SuperNodes. Usage: ./setup.sh [python]
+# home whose default simulation has 10 SuperNodes, served by a local SuperLink on ports of this
+# checkout's own. Usage: ./setup.sh [python]; ./setup.sh --ports prints those ports.
 set -euo pipefail
 cd "$(dirname "$0")"
-PYTHON=${1:-python3}
 root=$PWD
+
+# `flwr run .` starts a local SuperLink on fixed ports (39091, 39093) and reuses whatever answers
+# there, with the environment it was started in: another checkout's would run this one's app with
+# that checkout's FLWR_HOME, variables and packages. Each checkout gets ports of its own instead,
+# from its path: an even port in 20000-31998 (below Linux's ephemeral ports, above Ray's worker
+# ports) and the control port 2 above it.
+http_port=$((20000 + 2 * ($(printf %s "$root" | cksum | cut -d" " -f1) % 6000)))
+control_port=$((http_port + 2))
+if [ "${1:-}" = --ports ]; then
+  echo "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$http_port FLWR_LOCAL_CONTROL_API_PORT=$control_port"
+  exit 0
+fi
+PYTHON=${1:-python3}
 
 # The virtual environment lives outside the checkout, as Poetry's do, and .venv links to it: to
 # build the app bundle, `flwr run .` walks every file under the project directory (links excepted),
@@ -21,16 +34,17 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
 
-# Activating the venv also points Flower at this project's own home (.flwr/) and turns off
-# Flower's per-run dependency installation (it would download CUDA torch into a fresh venv).
+# Activating the venv also points Flower at this project's own home (.flwr/) and local SuperLink
+# ports, and turns off Flower's per-run dependency installation (it would download CUDA torch into
+# a fresh venv). The block is rewritten on every set-up (it is the activate script's last).
 marker="# protofl environment"
-if ! grep -q "$marker" .venv/bin/activate; then
-  cat >> .venv/bin/activate <<ACTIVATE
+sed -i "/^$marker/,\$d" .venv/bin/activate
+cat >> .venv/bin/activate <<ACTIVATE
 $marker
 export FLWR_HOME="$root/.flwr"
+export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$http_port FLWR_LOCAL_CONTROL_API_PORT=$control_port
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 ACTIVATE
-fi
 
 mkdir -p .flwr
 if [ ! -f .flwr/config.toml ]; then
@@ -48,4 +62,5 @@ options.backend.client-resources.num-cpus = 1
 options.backend.client-resources.num-gpus = 0.0
 TOML
 fi
-echo "protofl is set up: run 'source .venv/bin/activate', then 'flwr run .' or 'pytest'."
+echo "protofl is set up: run 'source .venv/bin/activate', then 'flwr run .' or 'pytest'" \
+     "(this checkout's local SuperLink: 127.0.0.1:$http_port, control API $control_port)."
