@@ -71,3 +71,43 @@ def test_a_diverged_run_and_a_refused_start_end_failed_with_one_line_and_no_trac
     check = re.search(r"\| python3 -c '\n(.*?)'\n", (ROOT / "docs" / "user-guide" / "running.md").read_text(), re.S)
     scripted = subprocess.run([sys.executable, "-c", check.group(1)], input=listed, capture_output=True, text=True)
     assert scripted.returncode == 1 and scripted.stdout.startswith("finished:failed"), scripted
+
+def test_two_checkouts_run_at_once_each_on_its_own_superlink_with_its_own_code(tmp_path):
+    """Two copies of the project side by side, each with the environment ``./setup.sh`` gives its
+    checkout (its own FLWR_HOME, its own ports from ``./setup.sh --ports``) and a ServerApp that
+    says which copy it is: ``flwr run . --stream`` in both at once. Each run went to a local
+    SuperLink of its own and ran its own copy's code."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    bin_dir = Path(sys.executable).parent
+    started = {}
+    for name in ("one", "two"):
+        checkout = tmp_path / name
+        for path in tracked:
+            if (ROOT / path).is_file():
+                (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+                (checkout / path).write_bytes((ROOT / path).read_bytes())
+        with (checkout / "protofl" / "server_app.py").open("a") as module:
+            module.write(f'\nprint("protofl checkout: {name}, run from", __file__, flush=True)\n')
+        ports = subprocess.run(["bash", "setup.sh", "--ports"], cwd=checkout, capture_output=True, text=True,
+                               check=True).stdout.split()
+        env = os.environ | dict(pair.split("=") for pair in ports) | {
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(checkout / ".flwr"),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        command = [str(bin_dir / "flwr"), "run", ".", "--stream", "--run-config",
+                   f"num-server-rounds=1 output-dir='{tmp_path / 'runs'}' run-name='{name}'",
+                   "--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
+        started[name] = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+    try:
+        output = {name: process.communicate(timeout=400)[0] for name, process in started.items()}
+    finally:
+        for name, process in started.items():
+            process.kill()
+            kill_trees(pids_with_argument(str(tmp_path / name / ".flwr")))
+    for name, other in (("one", "two"), ("two", "one")):
+        assert started[name].returncode == 0, output[name]
+        # the app runs where the SuperLink that took it keeps its apps: under that checkout's FLWR_HOME
+        assert f"protofl checkout: {name}, run from {tmp_path / name / '.flwr' / 'apps'}" in output[name], output[name]
+        assert f"protofl checkout: {other}" not in output[name]
+        assert json.loads((tmp_path / "runs" / name / "results.json").read_text())["rounds"]
+    assert not pids_with_argument(str(tmp_path))
