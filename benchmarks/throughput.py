@@ -98,6 +98,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def client_models(settings: ExperimentSettings, num_clients: int) -> tuple:
+    """(channels, image size, classes, each client's architecture, the augmentation) of a run."""
+    channels, size, _, _ = SHAPES[settings.dataset]
+    fill = torch.from_numpy(black_level(settings.dataset, settings.normalisation)).expand(channels)
+    architectures = [client_architecture(settings.model, p) for p in range(num_clients)]
+    return channels, size, DATASETS[settings.dataset][0], architectures, make_augment(settings.augment, fill)
+
+
 def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch_size: int, rounds: int,
             device: torch.device) -> dict[str, dict]:
     """One warm-up round and ``rounds`` timed rounds of every client's local epoch and evaluation,
@@ -105,11 +113,7 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
     work, so that what else runs on the machine slows them alike. A round's seconds: its training
     and scoring."""
     some = next(iter(variants.values()))
-    channels, size, _, _ = SHAPES[some.dataset]
-    num_classes = DATASETS[some.dataset][0]
-    architectures = [client_architecture(some.model, p) for p in range(len(clients))]
-    fill = torch.from_numpy(black_level(some.dataset, some.normalisation)).expand(channels)
-    augment = make_augment(some.augment, fill)
+    channels, size, num_classes, architectures, augment = client_models(some, len(clients))
     models = {label: {a: build_model(a, channels, num_classes, size, some.seed).to(device) for a in set(architectures)}
               for label in variants}
     global_weights = {a: get_weights(model) for a, model in next(iter(models.values())).items()}
@@ -269,11 +273,7 @@ def measure_in_flight(variants: dict[str, ExperimentSettings], clients: list[tup
                       device: torch.device, in_flight: int) -> dict[str, dict]:
     """``in_flight`` clients' local epochs at once (see ``--in-flight``), each variant in turn."""
     some = next(iter(variants.values()))
-    channels, size, _, _ = SHAPES[some.dataset]
-    num_classes = DATASETS[some.dataset][0]
-    architectures = [client_architecture(some.model, p) for p in range(len(clients))]
-    fill = torch.from_numpy(black_level(some.dataset, some.normalisation)).expand(channels)
-    augment = make_augment(some.augment, fill)
+    channels, size, num_classes, architectures, augment = client_models(some, len(clients))
     global_weights = {a: get_weights(build_model(a, channels, num_classes, size, some.seed)) for a in set(architectures)}
     workers = [ThreadPoolExecutor(max_workers=1) for _ in range(in_flight)]  # one lasting thread each
     streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(in_flight)]

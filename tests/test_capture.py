@@ -45,17 +45,22 @@ def trained(cuda_graphs, model="cnn", device="cpu", extra_loss=None, **kwargs):
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss
 
 
-def counted_steps(monkeypatch):
-    """A list that grows by one per step the captured step's object runs."""
+def counted_calls(monkeypatch, cls, name, record):
+    """A list that grows by ``record(*arguments)`` each time method ``name`` of ``cls`` runs."""
     calls = []
-    original = capture_module.CapturedStep.__call__
+    original = getattr(cls, name)
 
-    def counting(self, inputs, labels):
-        calls.append(len(labels))
-        return original(self, inputs, labels)
+    def counting(self, *arguments):
+        calls.append(record(*arguments))
+        return original(self, *arguments)
 
-    monkeypatch.setattr(capture_module.CapturedStep, "__call__", counting)
+    monkeypatch.setattr(cls, name, counting)
     return calls
+
+
+def counted_steps(monkeypatch):
+    """A list that grows by the batch size per step the captured step's object runs."""
+    return counted_calls(monkeypatch, capture_module.CapturedStep, "__call__", lambda inputs, labels: len(labels))
 
 
 @pytest.mark.parametrize("options", [
@@ -99,15 +104,7 @@ def test_an_extra_loss_and_its_sums_on_the_device_train_as_in_the_plain_loop(mon
 
 def kept_step_loads(monkeypatch):
     """A list that grows by one each time a kept step takes a client's tensors."""
-    loads = []
-    original = capture_module.KeptStep.load
-
-    def counting(self, tensors, state):
-        loads.append(len(tensors))
-        return original(self, tensors, state)
-
-    monkeypatch.setattr(capture_module.KeptStep, "load", counting)
-    return loads
+    return counted_calls(monkeypatch, capture_module.KeptStep, "load", lambda tensors, state: len(tensors))
 
 
 def client_training(cuda_graphs, seed, n=70, lr=0.05, device="cpu"):
