@@ -5,7 +5,9 @@
         --federation-config "num-supernodes=20" --out runs/fmnist
 
 Each method (or ``--variant LABEL="overrides"``, e.g. an ablation) is one real Flower simulation
-(`flwr run . --stream`) writing ``<out>/<label>/results.json``; the script then writes
+(`flwr run . --stream`) writing ``<out>/<label>/results.json``, in the federation the command names
+(``--federation-config``, else the preset's; what it leaves out: 10 SuperNodes of 1 CPU each, never
+what the Flower home happens to hold); the script then writes
 ``<out>/comparison.md`` (GM and PM final / best / last-10, PM std, traffic, time) and
 ``<out>/comparison.png`` and prints the table. ``--include DIR`` adds the runs of an earlier
 invocation (``DIR/<label>/results.json``) to the table, so runs made apart can be compared.
@@ -57,13 +59,25 @@ def flwr_executable() -> str:
     return str(candidate) if candidate.exists() else "flwr"
 
 
+DEFAULT_FEDERATION = {"num-supernodes": "10", "client-resources-num-cpus": "1"}  # as ./setup.sh configures
+
+
+def named_federation(federation_config: str) -> str:
+    """``federation_config`` with what it leaves out of :data:`DEFAULT_FEDERATION` added: a run's
+    command names its federation, whatever the Flower home's configuration holds (an empty one
+    simulates Flower's own default, 2 SuperNodes of 2 CPUs)."""
+    given = dict(re.findall(r"([^\s=]+)=(\S+)", federation_config))
+    return " ".join(f"{key}={value}" for key, value in (given | {k: v for k, v in DEFAULT_FEDERATION.items()
+                                                               if k not in given}).items())
+
+
 def run_with_flower(label: str, run_config: str, federation_config: str, out: Path) -> tuple[dict | None, float]:
-    """One `flwr run` of this app; returns (results.json or None on failure, wall seconds)."""
+    """One `flwr run` of this app in the federation ``federation_config`` names
+    (:func:`named_federation`); returns (results.json or None on failure, wall seconds)."""
     again = "" if "resume=" in run_config else " overwrite=true"  # a benchmark run again replaces its results
     overrides = merged(f"{run_config} output-dir='{out}' run-name='{label}'{again}")
-    command = [flwr_executable(), "run", str(ROOT), "--stream", "--run-config", overrides]
-    if federation_config:
-        command += ["--federation-config", federation_config]
+    command = [flwr_executable(), "run", str(ROOT), "--stream", "--run-config", overrides,
+               "--federation-config", named_federation(federation_config)]
     env = os.environ | {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     print(f"\n=== {label}: {shlex.join(command)}", flush=True)
@@ -125,6 +139,12 @@ def preset_overrides(path: Path) -> str:
     return " ".join(f"{key}={literal(value)}" for key, value in flatten(tomllib.loads(path.read_text())).items())
 
 
+def preset_federation(path: Path) -> str:
+    """A preset file's ``# federation-config:`` line ("" without one)."""
+    found = re.search(r"^# federation-config:(.*)$", path.read_text(), re.M)
+    return found.group(1).strip() if found else ""
+
+
 def swept(runs: list[tuple[str, str]], sweeps: list[str]) -> list[tuple[str, str]]:
     """Every run once per value of every ``KEY=V1,V2,...`` (their product); labels get ``_KEY=V``."""
     for sweep in sweeps:
@@ -144,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                              "fedproto.average-parameters=true\"")
     parser.add_argument("--preset", type=Path, help="a preset file (presets/*.toml): every run starts from it")
     parser.add_argument("--run-config", default="", help="run-config overrides shared by every run (after --preset)")
-    parser.add_argument("--federation-config", default="", help="e.g. \"num-supernodes=20\"")
+    parser.add_argument("--federation-config", default="", help="e.g. \"num-supernodes=20\" (default: the preset's "
+                        "`# federation-config:` line; what it leaves out: 10 SuperNodes of 1 CPU)")
     parser.add_argument("--seeds", nargs="*", type=int, default=[],
                         help="repeat every run with each of these training seeds (the split stays: partition-seed)")
     parser.add_argument("--baseline", metavar="LABEL", help="report each run's paired difference to this one")
@@ -167,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
     groups, failed = included_results(args.include), []
     shared = f"{preset_overrides(args.preset) if args.preset else ''} {args.run_config}"
+    federation = args.federation_config or (preset_federation(args.preset) if args.preset else "")
     for label, overrides in runs:
         for seed in args.seeds or [None]:
             name, directory = (label, out) if seed is None else (f"seed-{seed}", out / label)
             extra = "" if seed is None else f" seed={seed}"
-            result, wall = run_with_flower(name, f"{shared} {overrides}{extra}", args.federation_config, directory)
+            result, wall = run_with_flower(name, f"{shared} {overrides}{extra}", federation, directory)
             if result is None:
                 failed.append(label if seed is None else f"{label} seed {seed}")
             else:

@@ -53,7 +53,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compare import machine_description, preset_overrides  # noqa: E402
+from compare import machine_description, preset_federation, preset_overrides  # noqa: E402
 
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
 from protofl.task.augment import make_augment  # noqa: E402
@@ -162,7 +162,7 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
 
 def preset_clients(preset: Path | None) -> int | None:
     """``num-supernodes`` on a preset's ``# federation-config:`` line, if any."""
-    found = re.search(r"^# federation-config:.*\bnum-supernodes=(\d+)", preset.read_text(), re.M) if preset else None
+    found = re.search(r"\bnum-supernodes=(\d+)", preset_federation(preset)) if preset else None
     return int(found.group(1)) if found else None
 
 

@@ -98,3 +98,24 @@ def test_a_preset_key_given_again_is_one_override_the_later_value_wins(tmp_path,
         {"method": "fedsc", "lr": 0.1, "note": "two words", "run-name": "seed-1", "fedsc.rpcl-form": "code", "seed": 1,
          "output-dir": str(tmp_path / "fedsc-code"), "overwrite": True},
     ]
+
+
+def test_every_run_names_its_federation_whatever_flower_home_holds(tmp_path, monkeypatch):
+    """From an empty FLWR_HOME Flower would simulate its own default (2 SuperNodes, 2 CPUs each):
+    a benchmark's run names its federation, the one asked for, completed by the project's default
+    (10 SuperNodes, 1 CPU each) or the preset's ``# federation-config:`` line."""
+    compare, sent = load_compare(), []
+
+    def flwr_run(command, **_):
+        sent.append(command[command.index("--federation-config") + 1] if "--federation-config" in command else None)
+        return SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(compare.subprocess, "run", flwr_run)
+    compare.main(["--methods", "fedavg", "--out", str(tmp_path)])
+    compare.main(["--methods", "fedavg", "--federation-config", "num-supernodes=20", "--out", str(tmp_path)])
+    preset = tmp_path / "preset.toml"
+    preset.write_text("# federation-config: num-supernodes=100 client-resources-num-gpus=0.0999\nmethod = \"fedavg\"\n")
+    compare.main(["--preset", str(preset), "--methods", "fedavg", "--out", str(tmp_path)])
+    assert sent == ["num-supernodes=10 client-resources-num-cpus=1",
+                    "num-supernodes=20 client-resources-num-cpus=1",
+                    "num-supernodes=100 client-resources-num-gpus=0.0999 client-resources-num-cpus=1"]
