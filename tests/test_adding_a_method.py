@@ -72,3 +72,15 @@ def test_the_guide_walks_through_a_real_method_file():
         for line in block.splitlines():
             if line.strip() and not line.lstrip().startswith("def aggregate_updates"):
                 assert line in source, line
+
+
+def test_the_guides_fedproto_excerpts_are_fedprotos_own_source():
+    """The options, server rule and client rule the guide shows are what fedproto.py holds."""
+    import inspect
+
+    from protofl.strategies import fedproto
+
+    for cls in (fedproto.FedProtoOptions, fedproto.FedProtoStrategy, fedproto.FedProtoClient):
+        source = inspect.getsource(cls).rstrip("\n")
+        blocks = re.findall(r"```python\n(.*?)\n```", GUIDE, re.S)
+        assert source in blocks, f"the guide's {cls.__name__} differs from protofl/strategies/fedproto.py"
