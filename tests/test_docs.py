@@ -69,3 +69,20 @@ def test_the_docs_site_builds_strictly(tmp_path):
     # the changelog page is CHANGELOG.md where the checkout has one, else its own fallback text
     changelog = (site / "changelog" / "index.html").read_text(encoding="utf-8")
     assert ("this text appears only" in changelog) == (not (ROOT / "CHANGELOG.md").is_file())
+
+
+def test_the_reference_lists_every_registered_method_module():
+    """The strategies page names no method by hand: the hook expands its marker into one ``:::``
+    block per entry of ``METHODS``, so a method added to the registry is in the reference."""
+    from types import SimpleNamespace
+
+    from protofl.strategies import METHODS
+
+    spec = importlib.util.spec_from_file_location("methods_hook", ROOT / "docs" / "_hooks" / "methods.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = SimpleNamespace(file=SimpleNamespace(src_uri=hook.PAGE))
+    config = SimpleNamespace(config_file_path=str(ROOT / "mkdocs.yml"))
+    expanded = hook.on_page_markdown((ROOT / "docs" / hook.PAGE).read_text(), page, config, None)
+    assert re.findall(r"^::: protofl\.strategies\.(\w+)$", expanded, re.M) == list(METHODS)
+    assert "docs/_hooks/methods.py" in (ROOT / "mkdocs.yml").read_text()
