@@ -9,7 +9,10 @@ one CPU's kernels differ from another's into other accuracies within three round
 differ 10^9 times less, so the records hold on any CPU.
 
 Regenerate (only when a change is meant to change the numbers, and say so in its note):
-    python tests/round_records.py
+    python tests/round_records.py                 # every case
+    python tests/round_records.py fedproto fedavg.average-parameters=true   # these methods' cases, or cases
+    python tests/round_records.py --missing       # the cases the fixture lacks (a new method's, a new option's)
+Recording some cases keeps the others' records as they are; cases no longer generated are dropped.
 """
 
 import contextlib
@@ -112,12 +115,27 @@ def round_records(case: dict, output_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
 
 
+def to_record(names: list[str], recorded: dict, generated: dict) -> list[str]:
+    """The generated cases to (re)record: all without ``names``; with ``--missing``, those
+    ``recorded`` lacks; else each case named, or of a method named (``fedsa`` covers ``fedsa.*``)."""
+    if not names:
+        return list(generated)
+    if names == ["--missing"]:
+        return [name for name in generated if name not in recorded]
+    unknown = [n for n in names if not any(c == n or c.startswith(f"{n}.") for c in generated)]
+    if unknown:
+        raise SystemExit(f"no such case or method: {', '.join(unknown)}")
+    return [c for c in generated if any(c == n or c.startswith(f"{n}.") for n in names)]
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(TESTS))
-    records = {}
-    for name, case in cases().items():
+    generated = cases()
+    kept = json.loads(FIXTURE.read_text())["cases"] if FIXTURE.is_file() else {}
+    records = {name: record for name, record in kept.items() if name in generated}
+    for name in to_record(sys.argv[1:], kept, generated):
         with tempfile.TemporaryDirectory() as directory:
-            records[name] = round_records(case, Path(directory))
+            records[name] = round_records(generated[name], Path(directory))
         print(name, flush=True)
     FIXTURE.parent.mkdir(exist_ok=True)
     FIXTURE.write_text(json.dumps({"cases": records}, indent=1, sort_keys=True) + "\n")

@@ -84,3 +84,18 @@ def test_the_guides_fedproto_excerpts_are_fedprotos_own_source():
         source = inspect.getsource(cls).rstrip("\n")
         blocks = re.findall(r"```python\n(.*?)\n```", GUIDE, re.S)
         assert source in blocks, f"the guide's {cls.__name__} differs from protofl/strategies/fedproto.py"
+
+
+def test_a_new_methods_round_records_are_recorded_without_remaking_the_others():
+    """tests/round_records.py --missing records only the cases the fixture lacks; naming a method
+    records its cases (``fedsa`` and every ``fedsa.*``), a case name that one case."""
+    from round_records import to_record
+
+    generated = {"fedavg": {}, "fedsa": {}, "fedsa.margin=x": {}, "fedsacos": {}, "fedsacos.a=b": {}}
+    recorded = {"fedavg": [], "fedsa": [], "fedsa.margin=x": []}
+    assert to_record(["--missing"], recorded, generated) == ["fedsacos", "fedsacos.a=b"]
+    assert to_record(["fedsa"], recorded, generated) == ["fedsa", "fedsa.margin=x"]
+    assert to_record(["fedsa.margin=x", "fedavg"], recorded, generated) == ["fedavg", "fedsa.margin=x"]
+    assert to_record([], recorded, generated) == list(generated)
+    with pytest.raises(SystemExit, match="no such case or method: fedx"):
+        to_record(["fedx"], recorded, generated)
