@@ -274,7 +274,8 @@ def measure_in_flight(variants: dict[str, ExperimentSettings], clients: list[tup
     """``in_flight`` clients' local epochs at once (see ``--in-flight``), each variant in turn."""
     some = next(iter(variants.values()))
     channels, size, num_classes, architectures, augment = client_models(some, len(clients))
-    global_weights = {a: get_weights(build_model(a, channels, num_classes, size, some.seed)) for a in set(architectures)}
+    global_weights = {a: get_weights(build_model(a, channels, num_classes, size, some.seed))
+                      for a in set(architectures)}
     workers = [ThreadPoolExecutor(max_workers=1) for _ in range(in_flight)]  # one lasting thread each
     streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(in_flight)]
     results = {}

@@ -141,7 +141,8 @@ def make_server_fn(
                 spec = settings.partition_spec(num_partitions)
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
-        recorder = RunRecorder(directory, settings.as_dict(), tracking)
+        option_defaults = strategy_class.options_class.run_config_defaults()
+        recorder = RunRecorder(directory, settings.as_dict(option_defaults), tracking)
 
         @functools.cache
         def architecture_bytes(name: str) -> int:

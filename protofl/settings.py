@@ -387,9 +387,11 @@ class ExperimentSettings:
         return [f"{key} ({then.get(key)!r} -> {now.get(key)!r})"
                 for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, option_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Every setting; ``options``: the method's, each at its value in this run (``option_defaults``,
+        :meth:`MethodOptions.run_config_defaults`, for those the run config leaves out)."""
         values = dataclasses.asdict(self)
-        values["options"] = dict(self.options)
+        values["options"] = dict(option_defaults or {}) | dict(self.options)
         return values
 
 

@@ -34,7 +34,8 @@ class InProcessProxy(ClientProxy):
 
     def _call(self, kind, ins):
         # as the ClientApp's mod ends each message: this thread's model is free for its next one
-        reply = release_worker_models(None, self.context, lambda _, context: getattr(self.client_fn(context), kind)(ins))
+        reply = release_worker_models(None, self.context,
+                                      lambda _, context: getattr(self.client_fn(context), kind)(ins))
         self.messages.append((kind, ins, reply))
         return reply
 

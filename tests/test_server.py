@@ -180,3 +180,17 @@ def test_a_run_without_usable_updates_stops_with_one_line_and_keeps_its_results(
     assert [kind for kind, _, _ in messages].count("fit") == 4  # two rounds of two clients, then no more
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [f"protofl: the run stopped. {results['stopped']}"]
+
+
+def test_results_record_every_method_option_at_its_value_however_the_run_was_started(tmp_path):
+    """`flwr run` hands the ServerApp the method's whole table, a run config built elsewhere (the
+    in-process harness, a benchmark) only the keys it sets: results.json holds every option either
+    way, each at the value the run used."""
+    from inprocess import run_in_process
+
+    from protofl.strategies.fedproto import FedProtoOptions
+
+    run_in_process({"method": "fedproto", "dataset": "digits", "num-server-rounds": 1, "fedproto.lambda": 0.5,
+                    "output-dir": str(tmp_path), "run-name": "run"}, num_nodes=2)
+    options = json.loads((tmp_path / "run" / "results.json").read_text())["run_config"]["options"]
+    assert options == FedProtoOptions.run_config_defaults() | {"lambda": 0.5}

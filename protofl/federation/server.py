@@ -141,7 +141,8 @@ class PrototypeStrategy(Strategy):
         self.options = self.options_class.from_settings(settings)
         self.model, self.num_classes, self.feature_dim = model, num_classes, model.feature_dim
         self.global_test = global_test
-        self.recorder = recorder or RunRecorder(settings.run_directory(), settings.as_dict())
+        self.recorder = recorder or RunRecorder(settings.run_directory(),
+                                                settings.as_dict(self.options_class.run_config_defaults()))
         names = list(model.state_dict())
         self.initial_weights = [v.detach().cpu().numpy() for v in model.state_dict().values()]
         self.shared_indices = [i for i, name in enumerate(names) if self.options.shares(name)]
