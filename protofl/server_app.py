@@ -123,8 +123,9 @@ def make_server_fn(
         directory = settings.run_directory()
         tracking = Tracking.from_settings(settings.tracker, directory, settings.mlflow_uri)  # a missing extra fails here
         strategy_class, _ = get_method(settings.method)
+        option_defaults = strategy_class.options_class.run_config_defaults()
         try:
-            checkpoint = open_run(settings, directory, strategy_class.options_class.run_config_defaults())
+            checkpoint = open_run(settings, directory, option_defaults)
         except ValueError as refused:  # the run directory holds another run, or one this cannot resume
             log(ERROR, "protofl: the run cannot start. %s", refused)
             raise RunFailed(str(refused)) from None
@@ -141,7 +142,6 @@ def make_server_fn(
                 spec = settings.partition_spec(num_partitions)
                 return partition_sizes(settings.dataset, settings.data_dir, spec, partition_id)
 
-        option_defaults = strategy_class.options_class.run_config_defaults()
         recorder = RunRecorder(directory, settings.as_dict(option_defaults), tracking)
 
         @functools.cache
