@@ -194,3 +194,18 @@ def test_results_record_every_method_option_at_its_value_however_the_run_was_sta
                     "output-dir": str(tmp_path), "run-name": "run"}, num_nodes=2)
     options = json.loads((tmp_path / "run" / "results.json").read_text())["run_config"]["options"]
     assert options == FedProtoOptions.run_config_defaults() | {"lambda": 0.5}
+
+
+def test_results_record_how_each_client_computed_and_on_which_node(tmp_path):
+    """results.json's client_compute: per partition, the node that replied and the known fields of
+    what its client said of how it computes (a mixed cluster can be read afterwards)."""
+    from inprocess import run_in_process
+
+    run_in_process({"method": "fedproto", "dataset": "digits", "num-server-rounds": 1, "output-dir": str(tmp_path),
+                    "run-name": "run"}, num_nodes=2)
+    recorded = json.loads((tmp_path / "run" / "results.json").read_text())["client_compute"]
+    assert sorted(recorded) == ["0", "1"]
+    assert [recorded[p]["node"] for p in ("0", "1")] == ["1000", "1001"]  # the harness's node ids
+    for described in recorded.values():
+        assert described["device"] == "cpu" and described["training_step"] == "off"
+        assert described["memory_format"] in ("NCHW", "channels-last") and described["autocast"] in ("off", "bf16")

@@ -250,3 +250,19 @@ def test_an_in_process_federations_clients_parse_one_header_at_a_time(monkeypatc
     most = most_parses_at_once(monkeypatch, 0.0005)
     run_in_process({"method": "fedavg", "num-server-rounds": 1, "local-epochs": 1})
     assert most == [1]
+
+
+def test_a_clients_compute_description_travels_and_only_its_known_short_fields_are_kept():
+    """What a client says of how it computes (a fit metric) is kept for results.json only as short
+    known fields: anything else a client sends there (another type, too long, not JSON, nested,
+    unknown keys, long strings) is left out, and never raises."""
+    from protofl.federation.wire import decode_compute, encode_compute
+
+    described = {"device": "cuda", "device_name": "NVIDIA H200", "autocast": "bf16", "memory_format": "channels-last",
+                 "training_step": "captured", "threads": 1, "native_bf16": True, "amp": "auto", "channels_last": "auto"}
+    sent = encode_compute(described)
+    assert decode_compute(sent) == {k: v for k, v in described.items() if k not in ("amp", "channels_last")}
+    for hostile in (None, 3, b"{}", "x" * 10_000, "not json", "[1, 2]", '{"device": {"nested": 1}}',
+                    '{"device": "' + "c" * 200 + '"}', '{"threads": -1}', '{"threads": 1e308}', "[" * 400 + "]" * 400):
+        assert decode_compute(hostile) in (None, {}), hostile
+    assert decode_compute('{"device": "cpu", "evil": "x"}') == {"device": "cpu"}

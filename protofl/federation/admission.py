@@ -16,7 +16,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from logging import WARNING
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from flwr.common import FitRes, Scalar
@@ -25,6 +25,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from protofl.federation.partitions import KnownSizes
 from protofl.federation.wire import (
+    COMPUTE,
     PARTITION_ID,
     TRAIN_LOSS,
     ArraySpec,
@@ -33,6 +34,7 @@ from protofl.federation.wire import (
     checked_count,
     checked_loss,
     decode_array,
+    decode_compute,
     rejection_reason,
 )
 from protofl.settings import ExperimentSettings, MethodOptions, is_int
@@ -204,6 +206,14 @@ def output_problem(
         if np.asarray(array).dtype.kind == "f" and not np.isfinite(array).all():
             return f"the broadcast {name!r} is not finite"
     return None
+
+
+def client_compute(updates: Sequence[ClientUpdate], asked: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    """Partition id -> the node that replied for it (``asked``: node -> partition) and what its
+    client says of how it computes (:func:`~protofl.federation.wire.decode_compute`'s fields)."""
+    nodes = {partition: node for node, partition in asked.items()}
+    return {str(u.partition_id): {"node": nodes.get(u.partition_id), **(decode_compute(u.metrics.get(COMPUTE)) or {})}
+            for u in updates}
 
 
 def drop(server_round: int, stage: str, node: str, partition_id: int | None, err: Any) -> dict[str, Any]:

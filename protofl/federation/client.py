@@ -33,6 +33,7 @@ from flwr.common import Scalar
 from protofl.federation.checkpoint import MEMORY, ClientStateStore, LocalState
 from protofl.federation.scoring import Predictor, local_scores
 from protofl.federation.wire import (
+    COMPUTE,
     EVALUATE_ROUND,
     GLOBAL_PROTOTYPES,
     NUM_PARTITIONS,
@@ -45,6 +46,7 @@ from protofl.federation.wire import (
     ClassVectors,
     decode_array,
     decode_class_vectors,
+    encode_compute,
     evaluation_as_fit_metrics,
     round_seed,
     server_round,
@@ -57,6 +59,7 @@ from protofl.task.models import SplitModel
 from protofl.task.train import (
     FeatureSums,
     class_means,
+    compute_description,
     features_and_logits,
     head_prediction,
     recompute_batchnorm_stats,
@@ -105,8 +108,7 @@ class PrototypeClient(NumPyClient):
         return None
 
     def step_constants(self) -> Hashable | None:
-        """Python values ``batch_loss`` uses this round beyond the options (a margin): a captured step
-        serves the next clients with equal ones, :meth:`step_inputs` copied in. None: it does not."""
+        """Values batch_loss uses beyond the options (a margin): a kept captured step serves equal ones (None: no)."""
         return () if type(self).batch_loss is PrototypeClient.batch_loss else None
 
     def step_inputs(self) -> dict[str, torch.Tensor]:  # tensors batch_loss reads besides the model's
@@ -161,7 +163,8 @@ class PrototypeClient(NumPyClient):
         if self.recompute_batchnorm():  # in the eval pass's precision and memory format
             recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed),
                                       **self.precision)
-        metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: float(loss)} | evaluated
+        compute = {COMPUTE: encode_compute(compute_description(device=self.device, model=self.model, **self.precision))}
+        metrics: dict[str, Scalar] = {PARTITION_ID: self.data.partition_id, TRAIN_LOSS: loss} | compute | evaluated
         statistics = self.local_statistics(seen) if self.options.statistics is not None else None
         if statistics is not None and self.settings.dp_noise > 0:
             statistics = statistics.privatized(self.settings.dp_clip, self.settings.dp_noise)

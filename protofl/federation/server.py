@@ -57,6 +57,7 @@ from flwr.server.strategy import Strategy
 from protofl.federation.admission import (
     Admission,
     ClientUpdate,
+    client_compute,
     describe_failure,
     output_problem,
     stacked_statistics,
@@ -252,6 +253,7 @@ class PrototypeStrategy(Strategy):
             self.evaluation.pending = None
         self.checkpoints.trained(server_round, self.admission.partitions(results))
         updates, dropped = self.admission.replies(server_round, "fit", results, self.admission.fit_update)
+        self.recorder.extra.setdefault("client_compute", {}).update(client_compute(updates, self.admission.asked))
         self.privacy.replied(server_round, [res for _, res in results], updates)  # DP releases, what went in clear
         updates, screened, ratios = self.admission.screen(server_round, updates)
         dropped += screened

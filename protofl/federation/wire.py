@@ -17,6 +17,7 @@ Typed payloads:
 from __future__ import annotations
 
 import io
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -46,6 +47,7 @@ NUM_TRAIN = "num-train"
 NUM_TEST = "num-test"
 STATE_ROUND = "state-round"  # the round of the newest state a node holds for its partition (0: none)
 TRAIN_LOSS = "train-loss"
+COMPUTE = "compute"  # fit: how the client computes (encode_compute), kept in results.json's client_compute
 CLASS_MEANS = "class-means"
 CLASS_COUNTS = "class-counts"
 CORRECT = "correct"  # evaluation: correct predictions of the reported predictor; "correct-<name>": of each
@@ -287,3 +289,34 @@ def decode_class_vectors(
             f"{dim}-d features: every client's architecture must end in the same feature size"
         )
     return vectors
+
+
+# what a client's compute description may hold (compute_description's fields), each short
+COMPUTE_FIELDS = ("device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16", "memory_format",
+                  "training_step")
+MAX_COMPUTE_CHARS, MAX_COMPUTE_FIELD_CHARS = 1024, 80
+
+
+def encode_compute(described: Mapping[str, Any]) -> str:
+    """A client's compute description (:func:`protofl.task.train.compute_description`) as a fit metric."""
+    return json.dumps({k: described[k] for k in COMPUTE_FIELDS if k in described}, sort_keys=True)
+
+
+def decode_compute(value: Any) -> dict[str, Any] | None:
+    """The known short fields of a client's compute description: a string field of at most
+    80 characters, a bool, an int in [0, 10^6); None for anything that is not a JSON object of
+    at most 1,024 characters. Never raises."""
+    if not isinstance(value, str) or len(value) > MAX_COMPUTE_CHARS:
+        return None
+    try:
+        described = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(described, dict):
+        return None
+
+    def short(v: Any) -> bool:
+        return (isinstance(v, str) and len(v) <= MAX_COMPUTE_FIELD_CHARS or isinstance(v, bool)
+                or type(v) is int and 0 <= v < 10**6)
+
+    return {k: v for k, v in described.items() if k in COMPUTE_FIELDS and short(v)}
