@@ -50,6 +50,7 @@ def option(command, flag):
     return command[command.index(flag) + 1] if flag in command else None
 
 
+@pytest.mark.slow  # the installed binaries' --help, about 3 s the first time
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v) or "base")
 def test_every_flag_exists_in_the_installed_binaries(variant):
     compose = native.load_compose(*variant)

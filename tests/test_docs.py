@@ -44,6 +44,7 @@ def test_every_relative_link_in_the_readme_points_at_a_file():
     assert missing == []
 
 
+@pytest.mark.slow  # about 4-5 s of the fast suite's budget; CI runs it in the slow suite
 def test_the_docs_site_builds_strictly(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         pytest.fail("mkdocs is missing: ./setup.sh installs it (the test extra includes the docs extra)")

@@ -139,6 +139,7 @@ def test_output_directory_is_absolute():
     assert config.run_directory().is_absolute() and config.run_directory().name == "x"
 
 
+@pytest.mark.slow  # fresh Python processes, 2.5 s
 def test_task_settings_report_and_the_overhead_benchmark_import_no_flower():
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import overhead, protofl.task.data, protofl.task.prototypes, "

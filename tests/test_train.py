@@ -103,6 +103,7 @@ def test_sgd_takes_torch_sgds_steps_to_the_bit(momentum, weight_decay):
     assert not torch.equal(ours[0].weight, nn.Sequential(nn.Linear(5, 4))[0].weight)
 
 
+@pytest.mark.slow  # a fresh Python process, 2-3 s
 def test_training_in_a_fresh_process_does_not_import_torch_dynamo():
     """torch.optim's first optimizer imports torch._dynamo: ~1.2 s of every deployment message."""
     code = ("import sys, torch\nfrom protofl.task.models import build_model\nfrom protofl.task.train import train\n"
