@@ -66,7 +66,7 @@ def named_federation(federation_config: str) -> str:
     """``federation_config`` with what it leaves out of :data:`DEFAULT_FEDERATION` added: a run's
     command names its federation, whatever the Flower home's configuration holds (an empty one
     simulates Flower's own default, 2 SuperNodes of 2 CPUs)."""
-    given = dict(re.findall(r"([^\s=]+)=(\S+)", federation_config))
+    given = config_pairs(federation_config)
     return " ".join(f"{key}={value}" for key, value in (given | {k: v for k, v in DEFAULT_FEDERATION.items()
                                                                if k not in given}).items())
 
@@ -95,11 +95,16 @@ def run_with_flower(label: str, run_config: str, federation_config: str, out: Pa
     return results, wall
 
 
+def config_pairs(text: str) -> dict[str, str]:
+    """``key=value ...`` (a run or federation config on the command line) as key -> value as written,
+    each key at its last value."""
+    return dict(re.findall(r"""([^\s=]+)=('[^']*'|"[^"]*"|\S+)""", text))
+
+
 def merged(overrides: str) -> str:
     """``key=value ...`` with each key once, at its last value: a preset's `method` and the run's are both
     in one string, and Flower refuses a run config that names a key twice."""
-    pairs = dict(re.findall(r"""([^\s=]+)=('[^']*'|"[^"]*"|\S+)""", overrides))
-    return " ".join(f"{key}={value}" for key, value in pairs.items())
+    return " ".join(f"{key}={value}" for key, value in config_pairs(overrides).items())
 
 
 def finished(results: dict) -> bool:

@@ -43,7 +43,7 @@ from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_
 from protofl.task.resources import ray_cpus
 from protofl.task.models import client_architecture
 from protofl.task.train import compute_description, get_device
-from protofl.task.weights import all_tensors
+from protofl.task.weights import all_tensors, copy_tensors, tensor_copies
 
 
 def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], Client]:
@@ -74,12 +74,10 @@ class _WorkerModel:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model, self.in_use = model, True
-        self.initial = {name: t.detach().clone() for name, t in all_tensors(model).items()}
+        self.initial = tensor_copies(model)
 
-    @torch.no_grad()
     def reset(self) -> torch.nn.Module:
-        for name, tensor in all_tensors(self.model).items():
-            tensor.copy_(self.initial[name])
+        copy_tensors(all_tensors(self.model), self.initial)
         for parameter in self.model.parameters():
             parameter.grad = None
         self.in_use = True

@@ -67,7 +67,7 @@ from protofl.task.train import (
     steps_per_epoch,
     train,
 )
-from protofl.task.weights import all_tensors, load_all_tensors
+from protofl.task.weights import all_tensors, copy_tensors, load_all_tensors, tensor_copies
 
 MODEL_PREFIX = "model/"  # local_state names of the personal model's entries
 
@@ -190,11 +190,9 @@ class PrototypeClient(NumPyClient):
         """What :meth:`evaluate` would have replied for the previous round, as ``EVALUATED`` fit
         metrics: the same state and model (the state before this round is the one the previous
         round's fit left), scored before training; the model is then put back as it was."""
-        untouched = {name: tensor.clone() for name, tensor in all_tensors(self.model).items()}
+        untouched = tensor_copies(self.model)
         loss, num_examples, metrics = self._scored(parameters, config, server_round(config))
-        with torch.no_grad():
-            for name, tensor in all_tensors(self.model).items():
-                tensor.copy_(untouched[name])
+        copy_tensors(all_tensors(self.model), untouched)
         return evaluation_as_fit_metrics(loss, num_examples, metrics)
 
     # --- helpers ------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from typing import Any, Callable, Hashable, Literal, Protocol, Sequence, get_arg
 
 import torch
 
+from protofl.task.weights import copy_tensors
+
 # the full-batch training step captured as a CUDA graph and replayed ("auto": on CUDA; never on a
 # CPU), or every step launched eagerly ("off"); "static" runs the captured step's code with its
 # static buffers but without a graph, on any device (tests compare it with the plain loop)
@@ -180,10 +182,8 @@ class KeptStep:
 
     @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor], state: StepState) -> None:
-        for name, tensor in tensors.items():
-            self.tensors[name].copy_(tensor)
-        for name, tensor in state.inputs.items():
-            self.state.inputs[name].copy_(tensor)
+        copy_tensors(self.tensors, tensors)
+        copy_tensors(self.state.inputs, state.inputs)
         kept = [v for v in self.velocity if v is not None]
         if kept:
             torch._foreach_zero_(kept)
@@ -194,8 +194,7 @@ class KeptStep:
 
     @torch.no_grad()
     def unload(self, tensors: dict[str, torch.Tensor], state: StepState) -> None:
-        for name, tensor in tensors.items():
-            tensor.copy_(self.tensors[name])
+        copy_tensors(tensors, self.tensors)
         for accumulator, kept in zip(state.accumulators, self.state.accumulators):
             accumulator.take(kept)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,18 @@ def set_weights(model: torch.nn.Module, weights: Sequence[np.ndarray]) -> None:
 def all_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of the model (also those not in ``state_dict``), by name."""
     return dict(model.named_buffers()) | model.state_dict(keep_vars=True)
+
+
+def tensor_copies(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each of :func:`all_tensors`, to put back with :func:`copy_tensors`."""
+    return {name: tensor.detach().clone() for name, tensor in all_tensors(model).items()}
+
+
+@torch.no_grad()
+def copy_tensors(targets: Mapping[str, torch.Tensor], sources: Mapping[str, torch.Tensor]) -> None:
+    """Each tensor of ``targets`` takes, in place, the values of the tensor of its name in ``sources``."""
+    for name, tensor in targets.items():
+        tensor.copy_(sources[name])
 
 
 def load_all_tensors(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
