@@ -33,7 +33,7 @@ from flwr.app import RecordDict  # noqa: E402
 from flwr.common import Context, FitIns, ndarrays_to_parameters  # noqa: E402
 
 from protofl.client_app import make_client_fn  # noqa: E402
-from protofl.federation import checkpoint  # noqa: E402
+from protofl.federation import client_state  # noqa: E402
 from protofl.federation.wire import round_config  # noqa: E402
 from protofl.settings import default_run_config, parse_overrides  # noqa: E402
 
@@ -43,7 +43,7 @@ def measure(model: str, args: argparse.Namespace) -> dict:
         "method": "fedproto", "model": model}
     node_config = {"partition-id": 0, "num-partitions": args.num_partitions}
     timings: dict[str, list[float]] = {"save": [], "load": []}
-    originals = {name: getattr(checkpoint.ClientStateStore, name) for name in timings}
+    originals = {name: getattr(client_state.ClientStateStore, name) for name in timings}
 
     def timed(name):
         def call(self, *a, **kw):
@@ -55,7 +55,7 @@ def measure(model: str, args: argparse.Namespace) -> dict:
         return call
 
     for name in timings:
-        setattr(checkpoint.ClientStateStore, name, timed(name))
+        setattr(client_state.ClientStateStore, name, timed(name))
     fits: dict[str, list[float]] = {"memory": [], "disk": []}
     with tempfile.TemporaryDirectory(prefix="protofl-state-") as state_dir:
         contexts = {"memory": RecordDict(), "disk": RecordDict()}
@@ -72,7 +72,7 @@ def measure(model: str, args: argparse.Namespace) -> dict:
         version_bytes = versions[-1].stat().st_size
         on_disk = sum(p.stat().st_size for p in versions)
     for name, original in originals.items():
-        setattr(checkpoint.ClientStateStore, name, original)
+        setattr(client_state.ClientStateStore, name, original)
     memory_fit, disk_fit = statistics.median(fits["memory"][1:]), statistics.median(fits["disk"][1:])
     save, load = statistics.median(timings["save"][1:]), statistics.median(timings["load"][1:])
     return {

@@ -36,7 +36,7 @@ from flwr.client import Client, ClientApp
 from flwr.common import Context, Message
 from flwr.common.logger import log
 
-from protofl.federation.checkpoint import ClientStateStore
+from protofl.federation.client_state import ClientStateStore
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from protofl.task.models import build_model, model_bytes
+from protofl.task.train import step_kind, train
 
 
 @pytest.mark.parametrize(
@@ -157,3 +158,26 @@ def test_fedsc_and_fedskc_resnets_have_one_block_per_stage():
     assert (features >= 0).all()  # post-ReLU, pooled
     conv = blocks(resnet8)[2].conv2  # N(0, 2 / (3 * 3 * 256)): std 0.0295
     assert conv.weight.std().item() == pytest.approx((2 / (9 * 256)) ** 0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["tv-googlenet", "tv-mobilenetv2"])
+def test_dropout_masks_come_from_the_clients_seed_not_the_process(name):
+    """Training with dropout repeats exactly whatever torch's global generator holds (another
+    thread's draws, another process's or node's history); without dropout it trains otherwise."""
+    x, y = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
+
+    def trained(global_seed, dropout=True):
+        model = build_model(name, 3, 10, 32, seed=0)
+        for module in model.modules():
+            if not dropout and hasattr(module, "p"):
+                module.p = 0.0
+        torch.manual_seed(global_seed)
+        train(model, x, y, epochs=1, batch_size=4, lr=0.1, seed=0, channels_last=False, amp="off")
+        return model.head.weight.detach().clone()
+
+    first = trained(1)
+    assert torch.equal(trained(2), first)
+    assert not torch.equal(trained(1, dropout=False), first)
+    # on CUDA such a step runs eagerly: a captured one would replay its first masks
+    cuda = torch.device("cuda")
+    assert (step_kind("auto", cuda, build_model(name, 3, 10, 32, seed=0)), step_kind("auto", cuda)) == ("off", "captured")

@@ -22,20 +22,15 @@ from inprocess import methods_fast_for, run_in_process
 from native import kill_trees, pids_with_argument
 from round_records import TIMING  # what an interrupted run and an uninterrupted one may differ in
 
-from protofl.federation.checkpoint import (
-    CHECKPOINT,
-    Checkpoint,
-    ClientStateStore,
-    RunCheckpoints,
-    open_run,
-)
+from protofl.federation.checkpoint import CHECKPOINT, Checkpoint, RunCheckpoints, open_run
+from protofl.federation.client_state import ClientStateStore
 from protofl.federation.state_disk import state_versions_kept
 from protofl.federation.wire import ClassVectors, round_config
 from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
 from protofl.strategies.fedproto import FedProtoOptions
-from protofl.federation import checkpoint
+from protofl.federation import checkpoint, client_state
 from protofl.task import storage
 
 TESTS = Path(__file__).resolve().parent
@@ -196,13 +191,13 @@ def test_the_default_state_dir_is_the_servers_in_simulation_else_the_flower_home
 def test_a_partition_never_holds_more_state_files_than_the_disk_check_counts(tmp_path, monkeypatch, every):
     """state_versions_kept(checkpoint-every) against the store itself, over 12 rounds of saves as
     the server's instructions ask for them (the last checkpoint before each round)."""
-    store, most, write = ClientStateStore(RecordDict(), 0, str(tmp_path)), [0], checkpoint.atomic_write
+    store, most, write = ClientStateStore(RecordDict(), 0, str(tmp_path)), [0], client_state.atomic_write
 
     def counting(path, data):  # a new version beside the older ones, before those go
         write(path, data)
         most[0] = max(most[0], len(list(path.parent.glob("*.npz"))))
 
-    monkeypatch.setattr(checkpoint, "atomic_write", counting)
+    monkeypatch.setattr(client_state, "atomic_write", counting)
     for r in range(1, 13):
         store.save("run", "ab", r, {"w": np.zeros(2)}, needed_from=(r - 1) // every * every if every else r - 1)
     assert most == [state_versions_kept(every)]
@@ -228,6 +223,75 @@ def test_a_run_whose_client_state_would_not_fit_its_disk_stops_before_round_1(tm
     run_in_process(run_config | {"run-name": "enough"})
     assert "stopped" not in json.loads((tmp_path / "enough" / "results.json").read_text())
     assert any("whose disk has 5.0 MiB free" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_a_client_keeps_state_only_where_it_sees_the_servers_marker(tmp_path):
+    """In simulation the server marks the clients' state dir with its run; a client that keeps its
+    state there but does not see the mark (another node's disk at the same path) neither reads nor
+    writes state. A client with a state dir of its own, and one in a deployment (nothing marked),
+    is not checked; nor does a deployment's server read anything into failure texts."""
+    settings = ExperimentSettings(output_dir=str(tmp_path), run_name="r")
+    recorder = RunRecorder(settings.run_directory(), settings.as_dict())
+    shared = tmp_path / "r" / "client-state"
+    checkpoints = RunCheckpoints(settings, recorder, str(shared))
+    config = checkpoints.round_config(1, 0)
+    marker = client_state.run_marker(shared, "r", checkpoints.run_token)
+    assert marker.is_file() and os.stat(shared).st_mode & 0o777 == 0o700
+
+    def client(state_dir=""):
+        state = client_state.LocalState(ClientStateStore(RecordDict(), 0, state_dir))
+        state.use(config, 1)
+        return state
+
+    state = client()
+    state.arrays["w"] = np.ones(2)
+    state.save(config)
+    assert (shared / "r" / "partition-0" / f"round-1.{checkpoints.run_token}.npz").is_file()
+    marker.unlink()  # this node does not see the server's disk
+    with pytest.raises(client_state.StateDirNotShared, match=f"state-dir {shared} is not shared with the ServerApp"):
+        client().arrays
+    with pytest.raises(client_state.StateDirNotShared):
+        state.save(config)
+    assert client(str(tmp_path / "own")).arrays == {}
+
+    failure = f"<class 'ClientAppException'>:<'\nException ClientAppException occurred. Message: {state_dir_refusal(client)}'>"
+    assert checkpoints.unshared_state(["other", failure]).startswith(f"state-dir {shared} is not shared")
+    assert "\n" not in checkpoints.unshared_state([failure]) and "'" not in checkpoints.unshared_state([failure])
+    deployment = RunCheckpoints(settings, recorder)
+    assert deployment.round_config(1, 0).keys() == round_config(1, 0).keys()
+    assert deployment.unshared_state([failure]) is None
+
+
+def state_dir_refusal(client):
+    try:
+        client().arrays
+    except client_state.StateDirNotShared as refusal:
+        return str(refusal)
+    raise AssertionError("not refused")
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+def test_a_simulated_node_that_does_not_see_the_state_dir_stops_a_run_that_keeps_state(tmp_path, monkeypatch, method):
+    """The server's mark gone before each round's instructions (every client on another disk): a
+    method whose clients keep state stops in round 1 with the client's one line and nothing
+    trained; FedAvg, which keeps none, runs."""
+    placing = RunCheckpoints.round_config
+
+    def placed_where_no_client_sees(self, *args):
+        config = placing(self, *args)
+        client_state.run_marker(Path(self.marked_state_dir), self.recorder.directory.name, self.run_token).unlink()
+        self.marker_placed = ""
+        return config
+
+    monkeypatch.setattr(RunCheckpoints, "round_config", placed_where_no_client_sees)
+    run_in_process({"method": method, "num-server-rounds": 1, "output-dir": str(tmp_path), "run-name": "r"})
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    if method == "fedavg":
+        assert "stopped" not in results and len(results["rounds"]) == 1
+        return
+    assert re.fullmatch(rf"round 1: state-dir {tmp_path / 'r' / 'client-state'} is not shared with the ServerApp: "
+                        r"the ClientApp on \S+ does not see the marker [^\n]*", results["stopped"])
+    assert [r["train_loss"] for r in results["rounds"]] == [None]
 
 
 # --- starting a run: fresh, resumed, refused ----------------------------------------------------
@@ -304,7 +368,7 @@ def test_without_a_state_dir_a_resumed_run_equals_the_uninterrupted_one(tmp_path
     config = RUN | {"method": "fedproto", "output-dir": str(tmp_path), "fraction-fit": 1.0}
     run_in_process(config | {"run-name": "whole"}, num_nodes=4)
     run_in_process(config | {"run-name": "parts", "num-server-rounds": 2}, num_nodes=4)
-    assert sorted(p.name for p in (tmp_path / "parts" / "client-state" / "parts").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "parts" / "client-state" / "parts").glob("partition-*")) == [
         f"partition-{p}" for p in range(4)]
     run_in_process(config | {"run-name": "parts", "resume": True}, num_nodes=4)
     assert_same_rounds(tmp_path / "parts", tmp_path / "whole")

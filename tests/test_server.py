@@ -1,13 +1,14 @@
 """The server template without Ray: hand-built FitRes/EvaluateRes lists into aggregate_*."""
 
 import json
+import socket
 
 import numpy as np
 import pytest
 from fakes import OK, FakeProxy, start_round
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
-from protofl.federation.admission import DIVERGED_HINT, too_few_updates
+from protofl.federation.admission import DIVERGED_HINT, describe_failure, too_few_updates
 from protofl.federation.server import RunStopped
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics
 from protofl.settings import ExperimentSettings
@@ -62,6 +63,25 @@ def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
         "round 1: 1 of 3 client updates usable, 2 required. 1 dropped: missing 'class-counts' (1). "
         "1 failed: RuntimeError: client crashed (1). See the failed clients' logs"
     )
+
+
+def test_a_failed_client_is_one_line_without_the_tracebacks_ray_wraps_it_in():
+    """What Flower's strategies get for a ClientApp that raised in a Ray simulation (its shape
+    copied from a run of flwr 1.42 and Ray 2.55; paths shortened): the client's exception line."""
+    frames = "\n".join(f'  File "/venv/flwr/{name}.py", line {i}, in call\n    return x(y)\n           ^^^^' for i, name in
+                       enumerate(("client_app", "message_handler", "numpy_client")))
+    actor = "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=16171, ip=192.0.2.2, actor_id=062e, repr=<Actor at 0x7efe>)"
+    reason = (f"<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'{actor}\n{frames}\n"
+              "OSError: [Errno 28] No space left on device: '/state/partition-3'\n\n"
+              "The above exception was the direct cause of the following exception:\n\n"
+              f"{actor}\n{frames}\nflwr.clientapp.client_app.ClientAppException: \n"
+              "Exception ClientAppException occurred. Message: [Errno 28] No space left on device'>")
+    failure = ValueError(f"Message contains an Error (reason: {reason}). It originated during client-side "
+                         "execution of a message.")
+    assert describe_failure(failure) == "client error: OSError: [Errno 28] No space left on device: '/state/partition-3'"
+    assert describe_failure(ValueError("Message contains an Error (reason: <class 'KeyError'>:<'x'>). It originated "
+                                       "during client-side execution of a message.")) == "client error: <class 'KeyError'>:<'x'>"
+    assert describe_failure(RuntimeError("client crashed")) == "RuntimeError: client crashed"
 
 
 def test_a_round_whose_losses_all_diverged_names_the_cause_and_a_hint():
@@ -208,4 +228,5 @@ def test_results_record_how_each_client_computed_and_on_which_node(tmp_path):
     assert [recorded[p]["node"] for p in ("0", "1")] == ["1000", "1001"]  # the harness's node ids
     for described in recorded.values():
         assert described["device"] == "cpu" and described["training_step"] == "off"
+        assert described["host"] == socket.gethostname()
         assert described["memory_format"] in ("NCHW", "channels-last") and described["autocast"] in ("off", "bf16")

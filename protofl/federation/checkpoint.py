@@ -1,5 +1,6 @@
 """What lets a run survive a crash: the server's checkpoint of a run, and the state each node keeps
-for its partition across rounds. Both are written atomically and read back without pickle.
+for its partition across rounds (:mod:`protofl.federation.client_state`). Both are written
+atomically and read back without pickle.
 
 **Server.** ``<run directory>/checkpoint.npz`` after every ``checkpoint-every`` rounds: the round,
 the global parameters, the method's server state (its ``state_fields``, whatever their values:
@@ -10,18 +11,10 @@ release as it goes out (:class:`~protofl.task.privacy.ReleaseLedger`): a resumed
 the checkpoint's copy, so that the releases between the checkpoint and a crash, which went out,
 count as well as their replay.
 
-**Clients.** :class:`ClientStateStore`: named arrays (a personal model, FedSA's margin, ...) per
-partition, a file per round that the partition trained in,
-``<state dir>/<run name>/partition-<id>/round-<r>.<run token>.npz``. The state dir is the node's
-``state-dir`` (node config), else the run config's, else the one the server names in its
-instructions in simulation (``<run directory>/client-state``), else, in a deployment,
-``$FLWR_HOME/protofl-state`` (``~/.flwr/protofl-state``) of the process that runs the ClientApp;
-a default one is created 0700. ``state-dir = "memory"`` keeps one blob in Flower's
-``context.state`` instead, which a restarted node or a resumed run no longer has. A client that
-trains in round r reads the newest version from before r, so a round that a resumed run trains
-again starts from exactly what it started from the first time; versions the server's last
-checkpoint no longer needs are deleted (at most the checkpointed one and those after it stay), as
-are other runs' (another run token).
+**Clients.** What a node keeps for its partition across rounds is in
+:mod:`protofl.federation.client_state`; the server's side of it is here: the run token that names
+a run's client state, the marker a simulation places in the clients' state dir, and the check that
+a resumed run finds its clients' state again.
 
 **Resume never lies.** A resumed run asks every node, with its partition id, for the round of the
 newest state it holds; a partition that trained before the checkpoint but whose node holds no
@@ -34,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
 import secrets
 import shutil
 import time
@@ -48,10 +39,11 @@ from flwr.common import Parameters, parameters_to_ndarrays
 from flwr.common.logger import log
 
 from protofl.federation import wire
+from protofl.federation.client_state import MEMORY, not_shared_line, run_marker
 from protofl.federation.state_disk import StateDiskCheck
 from protofl.federation.wire import ClassVectors
 from protofl.task.privacy import RELEASES_FILE
-from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
+from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write
 
 CHECKPOINT = "checkpoint.npz"
 CLIENT_STATE = "client-state"  # in the run directory: the simulated nodes' state
@@ -167,6 +159,8 @@ class RunCheckpoints:
         # the state dir on this machine's disks (a simulation's: its nodes run here), not memory
         local = None if not client_state_dir or settings.state_dir == MEMORY else settings.state_dir or client_state_dir
         self.state_disk = StateDiskCheck(local and Path(local).expanduser(), self.every, state_bytes)
+        self.marked_state_dir = local or ""  # where the run's marker goes (run_marker)
+        self.marker_placed = ""  # the run token it was placed for
         # where the clients' state is, for the error that says it is missing
         self.state_location = (
             "memory (state-dir='memory'), which restarted nodes no longer have" if settings.state_dir == MEMORY
@@ -178,6 +172,14 @@ class RunCheckpoints:
         self.last_trained: dict[int, int] = {}  # partition -> the last round it replied to a fit
         self.to_check: dict[int, int] | None = None  # after a resume: last_trained of the checkpoint
 
+    def unshared_state(self, failures: Iterable[str]) -> str | None:
+        """A simulated client's :class:`StateDirNotShared` line among ``failures`` (the texts of a
+        round's failed messages), or None. In a deployment, where no state dir is marked and
+        failure texts come from nodes the server does not control, always None."""
+        if not self.marked_state_dir:
+            return None
+        return next((line for text in failures if (line := not_shared_line(text))), None)
+
     def run_identity(self, server_round: int) -> tuple[str, str, int, str]:
         """What a round's config tells the clients of this run: (its directory's name, its token, the
         last checkpointed round (every earlier round without checkpoints), the default state dir)."""
@@ -185,8 +187,16 @@ class RunCheckpoints:
         return self.recorder.directory.name, self.run_token, checkpointed, self.client_state_dir
 
     def round_config(self, server_round: int, seed: int) -> dict[str, Any]:
-        """The scalars of an instruction of this run (:func:`wire.round_config`)."""
-        return wire.round_config(server_round, seed, *self.run_identity(server_round))
+        """The scalars of an instruction of this run (:func:`wire.round_config`); the first places
+        the run's marker in the clients' state dir (simulation)."""
+        if self.marked_state_dir and self.marker_placed != self.run_token:
+            directory = Path(self.marked_state_dir).expanduser()
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # as a client makes a default one
+            marker = run_marker(directory, self.recorder.directory.name, self.run_token)
+            marker.parent.mkdir(exist_ok=True)
+            marker.touch()
+            self.marker_placed = self.run_token
+        return wire.round_config(server_round, seed, *self.run_identity(server_round), self.marked_state_dir)
 
     def trained(self, server_round: int, partitions: Iterable[int]) -> None:
         """``partitions`` replied to ``server_round``'s fit: each saved its state after it."""
@@ -257,119 +267,6 @@ class RunCheckpoints:
 
 
 # ---------------------------------------------------------------------------------------
-# What a node keeps for its partition
-# ---------------------------------------------------------------------------------------
-
-MEMORY = "memory"  # the state-dir that keeps a node's state in Flower's context.state
-MEMORY_RECORD = "protofl-state"
-_VERSION_NAME = re.compile(r"round-(?P<round>\d+)\.(?P<token>[0-9a-f]*)\.npz")
-
-
-def safe_name(text: str) -> str:
-    """``text`` as one path component: letters, digits, ``._-`` (a run name comes from the server)."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".")
-    return cleaned or "run"
-
-
-def node_state_directory() -> Path:
-    """A deployment node's default state dir: ``protofl-state`` in the Flower home of the process
-    that runs the ClientApp (``$FLWR_HOME``, else ``~/.flwr``, as Flower's own)."""
-    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser() / "protofl-state"
-
-
-class ClientStateStore:
-    """Named arrays that one partition's client keeps across rounds; see the module's docstring.
-
-    ``state``: Flower's ``context.state`` of the node (used with ``state-dir = "memory"``);
-    ``state_dir``: the node's or the run's ``state-dir``; empty: the default, which :meth:`locate`
-    takes from an instruction.
-    """
-
-    def __init__(self, state: Any, partition_id: int, state_dir: str = "") -> None:
-        self.memory = state
-        self.partition_id = partition_id
-        self.state_dir = state_dir
-        self.suggested = ""  # the server's default for this run (simulation), from an instruction
-
-    def locate(self, config: Mapping[str, Any]) -> None:
-        """Take the default state dir of the run that ``config`` belongs to."""
-        self.suggested = wire.client_state_dir(config)
-
-    @property
-    def directory(self) -> Path | None:
-        """Where the state files go (created by the first save); None: in memory."""
-        if self.state_dir == MEMORY:
-            return None
-        if self.state_dir:
-            return Path(self.state_dir).expanduser()
-        return Path(self.suggested) if self.suggested else node_state_directory()
-
-    @staticmethod
-    def _token(token: str) -> str:
-        return re.sub(r"[^0-9a-f]", "", token)
-
-    def _folder(self, directory: Path, run_name: str) -> Path:
-        return directory / safe_name(run_name) / f"partition-{self.partition_id}"
-
-    def _versions(self, run_name: str, token: str, before: int | None) -> dict[int, Path | None]:
-        """This run's saved states by round (``token``: the run token), those before round
-        ``before`` (None: all); in memory, the one blob's round (a None path)."""
-        directory = self.directory
-        if directory is None:
-            blob = self.memory.get(MEMORY_RECORD)
-            versions: dict[int, Path | None] = {int(blob.get("round", 0)): None} if blob is not None else {}
-        else:
-            folder, versions = self._folder(directory, run_name), {}
-            for path in folder.glob("*.npz") if folder.is_dir() else ():
-                match = _VERSION_NAME.fullmatch(path.name)
-                if match and match["token"] == self._token(token):
-                    versions[int(match["round"])] = path
-        return {r: path for r, path in versions.items() if before is None or r < before}
-
-    def newest_round(self, run_name: str, token: str, before: int | None) -> int:
-        """The round of the newest state saved before round ``before`` (None: of all); 0: none."""
-        return max(self._versions(run_name, token, before), default=0)
-
-    def load(self, run_name: str, token: str, before: int | None) -> dict[str, np.ndarray]:
-        """The newest state saved before round ``before`` (None: the newest of all); empty if none."""
-        versions = self._versions(run_name, token, before)
-        for server_round in sorted(versions, reverse=True):
-            path = versions[server_round]
-            try:
-                data = self.memory[MEMORY_RECORD]["arrays"] if path is None else path.read_bytes()
-                return arrays_from_bytes(data)
-            except (OSError, ValueError) as err:  # ours, written atomically: only a damaged disk
-                log(WARNING, "protofl: partition %d's state of round %d is unreadable (%s)",
-                    self.partition_id, server_round, err)
-        return {}
-
-    def save(self, run_name: str, token: str, server_round: int, arrays: Mapping[str, np.ndarray],
-             needed_from: int) -> None:
-        """Keep ``arrays`` as the state after ``server_round``. On disk, the versions a replay of
-        any round after ``needed_from`` (the server's last checkpoint) may read stay; the others
-        go, with other runs' versions and interrupted writes."""
-        data = arrays_to_bytes(arrays)
-        directory = self.directory
-        if directory is None:
-            from flwr.app import ConfigRecord
-
-            self.memory[MEMORY_RECORD] = ConfigRecord({"arrays": data, "round": server_round})
-            return
-        if not self.state_dir:  # a default one: only this node's user may enter it
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        folder = self._folder(directory, run_name)
-        atomic_write(folder / f"round-{server_round}.{self._token(token)}.npz", data)
-        versions = self._versions(run_name, token, None)
-        older = [r for r in versions if r <= needed_from]
-        keep = {r for r in versions if r > needed_from} | ({max(older)} if older else set())
-        kept = {versions[r] for r in keep}
-        for path in folder.glob("*.npz"):
-            if path not in kept:
-                path.unlink(missing_ok=True)
-        remove_partial_writes(folder)
-
-
-# ---------------------------------------------------------------------------------------
 # Starting a run: fresh, resumed, or refused
 # ---------------------------------------------------------------------------------------
 
@@ -411,39 +308,3 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
             "raise num-server-rounds to extend it"
         )
     return checkpoint
-
-
-class LocalState:
-    """What one client keeps for its partition across rounds (named arrays: a personal model, FedSA's
-    margin, ...), as its store held it before a given round: read when first used, saved after a
-    fit under that fit's round."""
-
-    def __init__(self, store: ClientStateStore) -> None:
-        self.store = store
-        self.run: tuple[str, str] = ("", "")
-        self.before: int | None = None
-        self._arrays: dict[str, np.ndarray] | None = None
-
-    def use(self, config: Mapping[str, Any], before: int) -> None:
-        """From now on, the state the run that ``config`` names saved before round ``before``."""
-        self.run, self.before, self._arrays = wire.run_identity(config), before, None
-        self.store.locate(config)
-
-    def held(self, config: Mapping[str, Any]) -> dict[str, int]:
-        """Asked with a run's identity (the server's discovery): the round of the newest state held
-        for the run's next round (``STATE_ROUND``; 0: none); else nothing."""
-        if wire.RUN_TOKEN not in config:
-            return {}
-        self.use(config, wire.checkpointed_round(config) + 1)
-        return {wire.STATE_ROUND: self.store.newest_round(*self.run, self.before)}
-
-    @property
-    def arrays(self) -> dict[str, np.ndarray]:
-        if self._arrays is None:
-            self._arrays = self.store.load(*self.run, self.before)
-        return self._arrays
-
-    def save(self, config: Mapping[str, Any]) -> None:
-        """After the fit of ``config``'s round: what it holds, if anything."""
-        if self._arrays:
-            self.store.save(*self.run, wire.server_round(config), self._arrays, wire.checkpointed_round(config))

@@ -30,7 +30,7 @@ import torch
 from flwr.client import NumPyClient
 from flwr.common import Scalar
 
-from protofl.federation.checkpoint import MEMORY, ClientStateStore, LocalState
+from protofl.federation.client_state import MEMORY, ClientStateStore, LocalState
 from protofl.federation.scoring import Predictor, local_scores
 from protofl.federation.wire import (
     COMPUTE,

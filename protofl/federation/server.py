@@ -111,6 +111,17 @@ def fit_fields(
     }
 
 
+def logged_failures(server_round: int, stage: str, failures: Sequence[Any], checkpoints: RunCheckpoints) -> list[str]:
+    """A round's failed messages, each logged in one line; a simulated client whose state dir is not
+    the server's stops the run (:meth:`RunCheckpoints.unshared_state`)."""
+    failed = [describe_failure(failure) for failure in failures]
+    for reason in failed:
+        log(WARNING, "round %d: a client failed to %s: %s", server_round, stage, reason)
+    if unshared := checkpoints.unshared_state(failed):
+        raise RunStopped(f"round {server_round}: {unshared}")
+    return failed
+
+
 class RunStopped(Exception):
     """A round cannot go on: the run ends with this one-line reason, its results so far saved."""
 
@@ -245,9 +256,7 @@ class PrototypeStrategy(Strategy):
         results: list[tuple[ClientProxy, FitRes]],
         failures: list[tuple[ClientProxy, FitRes] | BaseException],
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        failed = [describe_failure(failure) for failure in failures]
-        for reason in failed:
-            log(WARNING, "round %d: a client failed: %s", server_round, reason)
+        failed = logged_failures(server_round, "train", failures, self.checkpoints)
         if self.evaluation.pending is not None:
             self.evaluation.record(self.evaluation.pending, results, in_fit=True)
             self.evaluation.pending = None
@@ -362,8 +371,7 @@ class PrototypeStrategy(Strategy):
     ) -> tuple[float | None, dict[str, Scalar]]:
         """PM: each client's own model on its local test split, aggregated across clients."""
         self.privacy.observe("evaluate", [res for _, res in results])
-        for failure in failures:
-            log(WARNING, "round %d: a client failed to evaluate: %s", server_round, describe_failure(failure))
+        logged_failures(server_round, "evaluate", failures, self.checkpoints)
         return self.evaluation.record(server_round, results, started=self.round_started)
 
 

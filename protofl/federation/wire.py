@@ -38,6 +38,7 @@ SEED = "seed"
 RUN_KEY, RUN_TOKEN = "run-key", "run-token"  # which run's client state: its directory's name, its fresh start
 CHECKPOINTED_ROUND = "checkpointed-round"  # the round of the server's last checkpoint
 CLIENT_STATE_DIR = "client-state-dir"  # where a node without a state-dir keeps its state (simulation only)
+MARKED_STATE_DIR = "marked-state-dir"  # the state dir holding the ServerApp's run marker (simulation only)
 GLOBAL_PROTOTYPES = "global-prototypes"  # ClassVectors: FedProto, FedCoSR, FedSA
 EVALUATE_ROUND = "evaluate-round"  # in a fit config: score the model of this round before training
 # properties and metrics (client -> server)
@@ -164,13 +165,15 @@ def parameters_bytes(parameters: Parameters) -> int:
 
 def round_config(
     server_round: int, seed: int, run_key: str = "", run_token: str = "", checkpointed: int = 0,
-    client_state_dir: str = "",
+    client_state_dir: str = "", marked_state_dir: str = "",
 ) -> dict[str, Scalar]:
     """The scalars every instruction carries: the round, the client's seed for it, which run's
     state the client keeps, the round of the server's last checkpoint (client state from before
-    it is no longer needed) and, in simulation, the default state dir."""
+    it is no longer needed) and, in simulation, the default state dir and the state dir in which
+    the ServerApp placed the run's marker (a client keeping its state there must see it)."""
+    dirs = {CLIENT_STATE_DIR: client_state_dir, MARKED_STATE_DIR: marked_state_dir}
     return {SERVER_ROUND: server_round, SEED: seed, RUN_KEY: run_key, RUN_TOKEN: run_token,
-            CHECKPOINTED_ROUND: checkpointed} | ({CLIENT_STATE_DIR: client_state_dir} if client_state_dir else {})
+            CHECKPOINTED_ROUND: checkpointed} | {k: v for k, v in dirs.items() if v}
 
 
 def server_round(config: Mapping[str, Scalar]) -> int:
@@ -189,6 +192,11 @@ def run_identity(config: Mapping[str, Scalar]) -> tuple[str, str]:
 def client_state_dir(config: Mapping[str, Scalar]) -> str:
     """The state dir the server names for nodes that set none (simulation); empty: none named."""
     return str(config.get(CLIENT_STATE_DIR, ""))
+
+
+def marked_state_dir(config: Mapping[str, Scalar]) -> str:
+    """The state dir holding the ServerApp's marker of the run (simulation); empty: none."""
+    return str(config.get(MARKED_STATE_DIR, ""))
 
 
 def checkpointed_round(config: Mapping[str, Scalar]) -> int:
@@ -292,7 +300,7 @@ def decode_class_vectors(
 
 
 # what a client's compute description may hold (compute_description's fields), each short
-COMPUTE_FIELDS = ("device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16", "memory_format",
+COMPUTE_FIELDS = ("host", "device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16", "memory_format",
                   "training_step")
 MAX_COMPUTE_CHARS, MAX_COMPUTE_FIELD_CHARS = 1024, 80
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from protofl.task.augment import drawn_to
+
 
 class SplitModel(nn.Module):
     """body -> features -> head -> logits. ``channels_last_faster``: the kinds of device ("cpu",
@@ -156,6 +158,46 @@ class FeaturePool(nn.Module):
         return x if x.shape[1] == self.dim else F.adaptive_avg_pool1d(x.unsqueeze(1), self.dim).squeeze(1)
 
 
+class SeededDropout(nn.Module):
+    """``nn.Dropout(p)`` whose masks come from its own CPU generator, which :func:`seed_dropout`
+    seeds from the client's seed before training, not from torch's global one: a client's masks
+    are the same on any thread, process or node (and on CUDA a step that draws them is not
+    captured: a replay would reuse its first mask)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.generator = torch.Generator()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        kept = torch.rand(x.shape, generator=self.generator) >= self.p
+        return x * drawn_to(kept, x.device) / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def seeded_dropout(net: nn.Module) -> nn.Module:
+    """``net`` with each ``nn.Dropout`` replaced by a :class:`SeededDropout` of the same ``p``."""
+    for name, child in net.named_children():
+        setattr(net, name, SeededDropout(child.p) if type(child) is nn.Dropout else seeded_dropout(child))
+    return net
+
+
+def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
+    """Seeds each :class:`SeededDropout` of ``model`` from ``generator`` (a client's; no draw without one)."""
+    for layer in model.modules():
+        if isinstance(layer, SeededDropout):
+            layer.generator.manual_seed(int(torch.randint(2**62, (), generator=generator)))
+
+
+def draws_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` has a :class:`SeededDropout`."""
+    return any(isinstance(m, SeededDropout) for m in model.modules())
+
+
 def _new_stem(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:
     """``conv`` rebuilt for ``in_channels`` inputs (grey-scale data), Kaiming-initialised."""
     stem = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, bias=False)
@@ -171,7 +213,8 @@ def _torchvision_split(net: nn.Module, classifier: str, num_classes: int, featur
     for name in path:
         parent = getattr(parent, name)
     setattr(parent, last, nn.Identity())
-    return SplitModel(nn.Sequential(net, FeaturePool(feature_dim)), nn.Linear(feature_dim, num_classes), feature_dim)
+    body = nn.Sequential(seeded_dropout(net), FeaturePool(feature_dim))
+    return SplitModel(body, nn.Linear(feature_dim, num_classes), feature_dim)
 
 
 def _imagenet_resnet(block: str, layers: list[int]) -> Callable[[int, int, int], SplitModel]:

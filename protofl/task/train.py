@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 from typing import Any, Callable, Literal, get_args
 
 import numpy as np
@@ -22,6 +23,7 @@ from protofl.task.capture import (
     kept_step,
     resolve_cuda_graphs,
 )
+from protofl.task.models import draws_dropout, seed_dropout
 from protofl.task.weights import all_tensors
 
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
@@ -94,7 +96,8 @@ def train(
     model.train()
     generator = torch.Generator().manual_seed(seed)
     n = len(y)
-    kind = resolve_cuda_graphs(cuda_graphs, x.device)
+    seed_dropout(model, generator)
+    kind = step_kind(cuda_graphs, x.device, model)
     full_batches = epochs * (n // batch_size)
     if step_state is None and extra_loss is None:
         step_state = StepState()
@@ -238,12 +241,20 @@ def _captures_on_cuda_or_cpu(device: torch.device, cuda_graphs: CudaGraphs) -> b
     return device.type != "cuda" or resolve_cuda_graphs(cuda_graphs, device) == "captured"
 
 
+def step_kind(cuda_graphs: CudaGraphs, device: torch.device, model: nn.Module | None = None) -> str:
+    """How :func:`train` runs its full batches (:func:`resolve_cuda_graphs`), except that the step of
+    a model that draws dropout masks on the host (:class:`~protofl.task.models.SeededDropout`) is
+    not captured: a replay would reuse its first masks."""
+    kind = resolve_cuda_graphs(cuda_graphs, device)
+    return "off" if kind == "captured" and model is not None and draws_dropout(model) else kind
+
+
 def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.device,
                         model: nn.Module | None = None, cuda_graphs: CudaGraphs = "auto") -> dict[str, Any]:
     """How a run with ``amp``, ``channels_last`` and ``cuda_graphs`` computes on ``device`` (logged,
-    and recorded in results.json): the device, torch's threads on a CPU, the autocast dtype, the
-    memory format (of ``model``, when given) and the training step."""
-    described: dict[str, Any] = {"device": device.type}
+    and recorded in results.json): the host, the device, torch's threads on a CPU, the autocast
+    dtype, the memory format (of ``model``, when given) and the training step."""
+    described: dict[str, Any] = {"host": socket.gethostname(), "device": device.type}
     if device.type == "cpu":
         described |= {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}
@@ -254,7 +265,7 @@ def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.dev
     if model is not None:
         described["memory_format"] = ("channels-last" if uses_channels_last(model, channels_last, device, cuda_graphs)
                                       else "NCHW")
-    described["training_step"] = resolve_cuda_graphs(cuda_graphs, device)
+    described["training_step"] = step_kind(cuda_graphs, device, model)
     return described
 
 

@@ -1,0 +1,218 @@
+"""What a node keeps for its partition across rounds.
+
+:class:`ClientStateStore`: named arrays (a personal model, FedSA's margin, ...) per
+partition, a file per round that the partition trained in,
+``<state dir>/<run name>/partition-<id>/round-<r>.<run token>.npz``. The state dir is the node's
+``state-dir`` (node config), else the run config's, else the one the server names in its
+instructions in simulation (``<run directory>/client-state``), else, in a deployment,
+``$FLWR_HOME/protofl-state`` (``~/.flwr/protofl-state``) of the process that runs the ClientApp;
+a default one is created 0700. ``state-dir = "memory"`` keeps one blob in Flower's
+``context.state`` instead, which a restarted node or a resumed run no longer has. A client that
+trains in round r reads the newest version from before r, so a round that a resumed run trains
+again starts from exactly what it started from the first time; versions the server's last
+checkpoint no longer needs are deleted (at most the checkpointed one and those after it stay), as
+are other runs' (another run token).
+
+**One state dir for every node.** In a simulation the ServerApp places a marker of the run in the
+clients' state dir before its first round; a client keeping its state on disk there refuses
+(:class:`StateDirNotShared`) when it does not see the marker: on a Ray cluster whose nodes do not
+share that directory, or a relative state dir a Ray worker resolves elsewhere, its state would
+silently be fresh or stale. The ServerApp then stops the run with that one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from logging import WARNING
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.common.logger import log
+
+from protofl.federation import wire
+from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
+
+MEMORY = "memory"  # the state-dir that keeps a node's state in Flower's context.state
+MEMORY_RECORD = "protofl-state"
+_VERSION_NAME = re.compile(r"round-(?P<round>\d+)\.(?P<token>[0-9a-f]*)\.npz")
+
+
+def safe_name(text: str) -> str:
+    """``text`` as one path component: letters, digits, ``._-`` (a run name comes from the server)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".")
+    return cleaned or "run"
+
+
+NOT_SHARED = "is not shared with the ServerApp"
+
+
+class StateDirNotShared(RuntimeError):
+    """A simulated client's state dir is not the one the ServerApp marked (another node's disk)."""
+
+
+_NOT_SHARED_LINE = re.compile(rf"state-dir [^'\n]*? {NOT_SHARED}[^'\n]*")
+
+
+def not_shared_line(text: str) -> str | None:
+    """The :class:`StateDirNotShared` line in the text of a failed message, or None."""
+    match = _NOT_SHARED_LINE.search(text)
+    return match.group(0) if match else None
+
+
+def run_marker(directory: Path, run_name: str, token: str) -> Path:
+    """The file a simulation's ServerApp places in the clients' state dir at its start."""
+    return directory / safe_name(run_name) / f".run-{ClientStateStore._token(token)}"
+
+
+def node_state_directory() -> Path:
+    """A deployment node's default state dir: ``protofl-state`` in the Flower home of the process
+    that runs the ClientApp (``$FLWR_HOME``, else ``~/.flwr``, as Flower's own)."""
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser() / "protofl-state"
+
+
+class ClientStateStore:
+    """Named arrays that one partition's client keeps across rounds; see the module's docstring.
+
+    ``state``: Flower's ``context.state`` of the node (used with ``state-dir = "memory"``);
+    ``state_dir``: the node's or the run's ``state-dir``; empty: the default, which :meth:`locate`
+    takes from an instruction.
+    """
+
+    def __init__(self, state: Any, partition_id: int, state_dir: str = "") -> None:
+        self.memory = state
+        self.partition_id = partition_id
+        self.state_dir = state_dir
+        self.suggested = ""  # the server's default for this run (simulation), from an instruction
+
+    def locate(self, config: Mapping[str, Any]) -> None:
+        """Take the default state dir of the run that ``config`` belongs to."""
+        self.suggested = wire.client_state_dir(config)
+
+    @property
+    def directory(self) -> Path | None:
+        """Where the state files go (created by the first save); None: in memory."""
+        if self.state_dir == MEMORY:
+            return None
+        if self.state_dir:
+            return Path(self.state_dir).expanduser()
+        return Path(self.suggested) if self.suggested else node_state_directory()
+
+    @staticmethod
+    def _token(token: str) -> str:
+        return re.sub(r"[^0-9a-f]", "", token)
+
+    def check_shared(self, run_name: str, token: str, marked: str) -> None:
+        """Raises :class:`StateDirNotShared` when this store keeps its state in ``marked`` (the
+        state dir the ServerApp marked) but does not see the run's marker there."""
+        directory = self.directory
+        if not marked or directory is None or directory != Path(marked).expanduser():
+            return
+        if not run_marker(directory, run_name, token).is_file():
+            raise StateDirNotShared(
+                f"state-dir {directory} {NOT_SHARED}: the ClientApp on {socket.gethostname()} does not see "
+                "the marker the ServerApp placed there at the start of the run. Every node needs that "
+                "directory at the same path (a shared filesystem, state-dir=PATH), or state-dir=memory "
+                "keeps the state of each client in its Flower context")
+
+    def _folder(self, directory: Path, run_name: str) -> Path:
+        return directory / safe_name(run_name) / f"partition-{self.partition_id}"
+
+    def _versions(self, run_name: str, token: str, before: int | None) -> dict[int, Path | None]:
+        """This run's saved states by round (``token``: the run token), those before round
+        ``before`` (None: all); in memory, the one blob's round (a None path)."""
+        directory = self.directory
+        if directory is None:
+            blob = self.memory.get(MEMORY_RECORD)
+            versions: dict[int, Path | None] = {int(blob.get("round", 0)): None} if blob is not None else {}
+        else:
+            folder, versions = self._folder(directory, run_name), {}
+            for path in folder.glob("*.npz") if folder.is_dir() else ():
+                match = _VERSION_NAME.fullmatch(path.name)
+                if match and match["token"] == self._token(token):
+                    versions[int(match["round"])] = path
+        return {r: path for r, path in versions.items() if before is None or r < before}
+
+    def newest_round(self, run_name: str, token: str, before: int | None) -> int:
+        """The round of the newest state saved before round ``before`` (None: of all); 0: none."""
+        return max(self._versions(run_name, token, before), default=0)
+
+    def load(self, run_name: str, token: str, before: int | None) -> dict[str, np.ndarray]:
+        """The newest state saved before round ``before`` (None: the newest of all); empty if none."""
+        versions = self._versions(run_name, token, before)
+        for server_round in sorted(versions, reverse=True):
+            path = versions[server_round]
+            try:
+                data = self.memory[MEMORY_RECORD]["arrays"] if path is None else path.read_bytes()
+                return arrays_from_bytes(data)
+            except (OSError, ValueError) as err:  # ours, written atomically: only a damaged disk
+                log(WARNING, "protofl: partition %d's state of round %d is unreadable (%s)",
+                    self.partition_id, server_round, err)
+        return {}
+
+    def save(self, run_name: str, token: str, server_round: int, arrays: Mapping[str, np.ndarray],
+             needed_from: int) -> None:
+        """Keep ``arrays`` as the state after ``server_round``. On disk, the versions a replay of
+        any round after ``needed_from`` (the server's last checkpoint) may read stay; the others
+        go, with other runs' versions and interrupted writes."""
+        data = arrays_to_bytes(arrays)
+        directory = self.directory
+        if directory is None:
+            from flwr.app import ConfigRecord
+
+            self.memory[MEMORY_RECORD] = ConfigRecord({"arrays": data, "round": server_round})
+            return
+        if not self.state_dir:  # a default one: only this node's user may enter it
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder = self._folder(directory, run_name)
+        atomic_write(folder / f"round-{server_round}.{self._token(token)}.npz", data)
+        versions = self._versions(run_name, token, None)
+        older = [r for r in versions if r <= needed_from]
+        keep = {r for r in versions if r > needed_from} | ({max(older)} if older else set())
+        kept = {versions[r] for r in keep}
+        for path in folder.glob("*.npz"):
+            if path not in kept:
+                path.unlink(missing_ok=True)
+        remove_partial_writes(folder)
+
+
+class LocalState:
+    """What one client keeps for its partition across rounds (named arrays: a personal model, FedSA's
+    margin, ...), as its store held it before a given round: read when first used, saved after a
+    fit under that fit's round."""
+
+    def __init__(self, store: ClientStateStore) -> None:
+        self.store = store
+        self.run: tuple[str, str] = ("", "")
+        self.marked = ""  # the state dir the ServerApp marked (wire.marked_state_dir)
+        self.before: int | None = None
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def use(self, config: Mapping[str, Any], before: int) -> None:
+        """From now on, the state the run that ``config`` names saved before round ``before``."""
+        self.run, self.before, self._arrays = wire.run_identity(config), before, None
+        self.marked = wire.marked_state_dir(config)
+        self.store.locate(config)
+
+    def held(self, config: Mapping[str, Any]) -> dict[str, int]:
+        """Asked with a run's identity (the server's discovery): the round of the newest state held
+        for the run's next round (``STATE_ROUND``; 0: none); else nothing."""
+        if wire.RUN_TOKEN not in config:
+            return {}
+        self.use(config, wire.checkpointed_round(config) + 1)
+        return {wire.STATE_ROUND: self.store.newest_round(*self.run, self.before)}
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self.store.check_shared(*self.run, self.marked)
+            self._arrays = self.store.load(*self.run, self.before)
+        return self._arrays
+
+    def save(self, config: Mapping[str, Any]) -> None:
+        """After the fit of ``config``'s round: what it holds, if anything."""
+        if self._arrays:
+            self.store.check_shared(*self.run, self.marked)
+            self.store.save(*self.run, wire.server_round(config), self._arrays, wire.checkpointed_round(config))
