@@ -14,7 +14,8 @@
 #
 # What it needs it installs or starts, and what it started it stops: Debian's docker.io and
 # docker-compose (v1) and debootstrap with apt-get if missing, and dockerd if none runs. Images are
-# kept, so a second run reuses their layers. Settings (environment):
+# kept, so a second run reuses their layers; images its builds replaced are removed.
+# Settings (environment):
 #   FLOWER_IMAGES  "protofl-local" (default): Flower's images rebuilt from a debootstrapped Debian
 #                  (deploy/base.Dockerfile), for hosts that reach no image registry; "flwr": Docker Hub.
 #   BUILD_CA       a CA bundle that image builds trust, e.g. /etc/ssl/certs/ca-certificates.crt where
@@ -51,6 +52,9 @@ cleanup() {
   [ -z "$tunnel_pid" ] || kill "$tunnel_pid" 2>/dev/null || true
   [ $status -eq 0 ] || { log "failed; the containers' logs:"; tail -n 60 "$work"/*.log 2>/dev/null || true; }
   rm -f deploy/build/compose-e2e-ca.crt deploy/build/compose-e2e-canary.crt
+  # images this run's builds replaced (a rebuilt app image left about 14 GB behind); the current
+  # ones stay, and their layers serve the next run
+  docker image prune --force >/dev/null 2>&1 || true
   if [ -n "$dockerd_pid" ]; then
     log "stopping the dockerd this script started ($dockerd_pid)"
     kill "$dockerd_pid" 2>/dev/null || true
