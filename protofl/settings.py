@@ -136,9 +136,13 @@ class MethodOptions:
     - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters;
     - :attr:`keeps_client_state`: whether clients keep state across rounds;
     - :attr:`capturable`: whether the client's training step may be captured as a CUDA graph.
+
+    ``max_grad_norm`` is what ``max-grad-norm = "auto"`` clips each step's gradient at for the
+    method (0: no clipping), where its published form clips.
     """
 
     statistics: ClassVar[Literal["feature", "logit"] | None] = "feature"
+    max_grad_norm: ClassVar[float] = 0.0
 
     @property
     def keeps_client_state(self) -> bool:
@@ -218,7 +222,7 @@ class ExperimentSettings:
     lr_decay: float = 1.0
     momentum: float = 0.0
     weight_decay: float = 0.0
-    max_grad_norm: float = 0.0
+    max_grad_norm: float | Literal["auto"] = "auto"  # "auto": the method's (MethodOptions.max_grad_norm)
     amp: Amp = "auto"
     channels_last: ChannelsLast = "auto"
     cuda_graphs: CudaGraphs = "auto"
@@ -283,7 +287,7 @@ class ExperimentSettings:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
         if not 0.0 < self.lr_decay <= 1.0:
             raise ValueError(f"lr-decay must be in (0, 1], got {self.lr_decay}")
-        if self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:
+        if self.max_grad_norm != "auto" and self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:
             raise ValueError("max-grad-norm and global-test-pm-per-class must be >= 0")
         if self.num_partitions < 0 or self.screen_factor < 0 or self.dp_clip < 0 or self.dp_noise < 0:
             raise ValueError("num-partitions, screen-factor, dp-clip and dp-noise must be >= 0")
@@ -305,9 +309,9 @@ class ExperimentSettings:
         """The client learning rate of a round: lr * lr-decay^(round - 1)."""
         return self.lr * self.lr_decay ** (max(server_round, 1) - 1)
 
-    def train_arguments(self, server_round: int, seed: int) -> dict[str, Any]:
-        """The training loop's arguments (:func:`protofl.task.train.train`) in a round, but the data,
-        the model and the augmentation."""
+    def train_arguments(self, server_round: int, seed: int, options: MethodOptions) -> dict[str, Any]:
+        """The training loop's arguments (:func:`protofl.task.train.train`) in a round of the method
+        whose ``options`` these are, but the data, the model and the augmentation."""
         return {
             "epochs": self.local_epochs,
             "batch_size": self.batch_size,
@@ -315,7 +319,7 @@ class ExperimentSettings:
             "lr": self.round_lr(server_round),
             "momentum": self.momentum,
             "weight_decay": self.weight_decay,
-            "max_grad_norm": self.max_grad_norm,
+            "max_grad_norm": options.max_grad_norm if self.max_grad_norm == "auto" else self.max_grad_norm,
             "seed": seed,
             **self.precision,
         }

@@ -248,7 +248,8 @@ class PrototypeClient(NumPyClient):
 
     def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
         """The training loop's arguments in ``config``'s round."""
-        arguments = self.settings.train_arguments(server_round(config), round_seed(config, self.settings.seed))
+        seed = round_seed(config, self.settings.seed)
+        arguments = self.settings.train_arguments(server_round(config), seed, self.options)
         return arguments | self.precision | {"augment": self.augment}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ PROTOTYPES = "prototypes"  # W, C x d unit rows, broadcast in the fit and evalua
 class FedNHOptions(MethodOptions):
     keeps_client_state: ClassVar[bool] = True  # the personal model
     capturable: ClassVar[bool] = True  # no batch loss
+    max_grad_norm: ClassVar[float] = 10.0  # [code]: each step's gradient clipped at total norm 10
     rho: float = 0.9
     prototype_init: Literal["simplex", "orthogonal"] = "simplex"
     prototype_means: Literal["normalized", "raw"] = "normalized"

@@ -8,10 +8,10 @@ The setting is presets/fmnist-seeds-pathological.toml's (20 clients, 2 classes e
 data, 12 rounds, 1 local epoch, batch 10, SGD lr 0.05) with FedNH's defaults (simplex W^0, s = 30
 fixed, rho 0.9), in one process (tests/inprocess.py) with float32 (amp off). Runs:
 
-- ``ours``: protofl as the table in docs/results.md ran it;
-- ``ours-as-code``: ours with the two loop details the authors' client has and ours does not by
-  default: gradient clipping at 10 and training on the last partial batch (``ours-clip10``: the
-  clipping alone);
+- ``ours``: protofl with its defaults (since max-grad-norm="auto", FedNH clips at 10 as its code);
+- ``ours-no-clip``: without gradient clipping, as docs/results/seeds.md's table ran it;
+- ``ours-as-code``: with the two loop details of the authors' client: gradient clipping at 10 and
+  training on the last partial batch (``ours-clip10``: the clipping alone);
 - ``theirs``: their ``FedNHClient.training`` / ``upload`` and ``FedNHServer.aggregate`` (made with
   ``__new__``), their server-side client's ``testing`` for the GM, on our clients' data; their
   model class is an adapter (FedAvgCNN's layers with their Conv2CifarNH head: normalised feature,
@@ -43,6 +43,7 @@ RUN = {"dataset": "fmnist", "data-fraction": 0.15, "partition": "pathological-pf
 NODES = 20
 OUR_RUNS = {  # protofl's runs: overrides of RUN
     "ours": {},
+    "ours-no-clip": {"max-grad-norm": 0.0},
     "ours-clip10": {"max-grad-norm": 10.0},
     "ours-as-code": {"max-grad-norm": 10.0, "partial-batch": "keep"},
     "ours-rho1": {"fednh.rho": 1.0},
