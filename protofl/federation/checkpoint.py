@@ -40,6 +40,7 @@ from flwr.common.logger import log
 
 from protofl.federation import wire
 from protofl.federation.client_state import MEMORY, not_shared_line, run_marker
+from protofl.federation.code_identity import running_digest
 from protofl.federation.state_disk import StateDiskCheck
 from protofl.federation.wire import ClassVectors
 from protofl.task.privacy import RELEASES_FILE
@@ -196,7 +197,8 @@ class RunCheckpoints:
             marker.parent.mkdir(exist_ok=True)
             marker.touch()
             self.marker_placed = self.run_token
-        return wire.round_config(server_round, seed, *self.run_identity(server_round), self.marked_state_dir)
+        code = running_digest() if self.client_state_dir else ""  # simulation: the clients run this code too
+        return wire.round_config(server_round, seed, *self.run_identity(server_round), self.marked_state_dir, code)
 
     def trained(self, server_round: int, partitions: Iterable[int]) -> None:
         """``partitions`` replied to ``server_round``'s fit: each saved its state after it."""

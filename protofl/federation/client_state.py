@@ -33,6 +33,7 @@ import numpy as np
 from flwr.common.logger import log
 
 from protofl.federation import wire
+from protofl.federation.code_identity import check_same_code
 from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
 
 MEMORY = "memory"  # the state-dir that keeps a node's state in Flower's context.state
@@ -191,7 +192,12 @@ class LocalState:
         self._arrays: dict[str, np.ndarray] | None = None
 
     def use(self, config: Mapping[str, Any], before: int) -> None:
-        """From now on, the state the run that ``config`` names saved before round ``before``."""
+        """From now on, the state the run that ``config`` names saved before round ``before``; a
+        client whose code is not the ServerApp's refuses (:func:`check_same_code`)."""
+        check_same_code(config)
+        self._locate(config, before)
+
+    def _locate(self, config: Mapping[str, Any], before: int) -> None:
         self.run, self.before, self._arrays = wire.run_identity(config), before, None
         self.marked = wire.marked_state_dir(config)
         self.store.locate(config)
@@ -201,7 +207,7 @@ class LocalState:
         for the run's next round (``STATE_ROUND``; 0: none); else nothing."""
         if wire.RUN_TOKEN not in config:
             return {}
-        self.use(config, wire.checkpointed_round(config) + 1)
+        self._locate(config, wire.checkpointed_round(config) + 1)  # code checked by the fit that follows
         return {wire.STATE_ROUND: self.store.newest_round(*self.run, self.before)}
 
     @property

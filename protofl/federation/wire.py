@@ -39,6 +39,7 @@ RUN_KEY, RUN_TOKEN = "run-key", "run-token"  # which run's client state: its dir
 CHECKPOINTED_ROUND = "checkpointed-round"  # the round of the server's last checkpoint
 CLIENT_STATE_DIR = "client-state-dir"  # where a node without a state-dir keeps its state (simulation only)
 MARKED_STATE_DIR = "marked-state-dir"  # the state dir holding the ServerApp's run marker (simulation only)
+CODE_DIGEST = "code-digest"  # the ServerApp's protofl (code_identity.source_digest; simulation only)
 GLOBAL_PROTOTYPES = "global-prototypes"  # ClassVectors: FedProto, FedCoSR, FedSA
 EVALUATE_ROUND = "evaluate-round"  # in a fit config: score the model of this round before training
 # properties and metrics (client -> server)
@@ -165,13 +166,14 @@ def parameters_bytes(parameters: Parameters) -> int:
 
 def round_config(
     server_round: int, seed: int, run_key: str = "", run_token: str = "", checkpointed: int = 0,
-    client_state_dir: str = "", marked_state_dir: str = "",
+    client_state_dir: str = "", marked_state_dir: str = "", code_digest: str = "",
 ) -> dict[str, Scalar]:
     """The scalars every instruction carries: the round, the client's seed for it, which run's
     state the client keeps, the round of the server's last checkpoint (client state from before
-    it is no longer needed) and, in simulation, the default state dir and the state dir in which
-    the ServerApp placed the run's marker (a client keeping its state there must see it)."""
-    dirs = {CLIENT_STATE_DIR: client_state_dir, MARKED_STATE_DIR: marked_state_dir}
+    it is no longer needed) and, in simulation, the default state dir, the state dir in which
+    the ServerApp placed the run's marker (a client keeping its state there must see it) and the
+    digest of the ServerApp's code (a client running other code refuses)."""
+    dirs = {CLIENT_STATE_DIR: client_state_dir, MARKED_STATE_DIR: marked_state_dir, CODE_DIGEST: code_digest}
     return {SERVER_ROUND: server_round, SEED: seed, RUN_KEY: run_key, RUN_TOKEN: run_token,
             CHECKPOINTED_ROUND: checkpointed} | {k: v for k, v in dirs.items() if v}
 
@@ -192,6 +194,11 @@ def run_identity(config: Mapping[str, Scalar]) -> tuple[str, str]:
 def client_state_dir(config: Mapping[str, Scalar]) -> str:
     """The state dir the server names for nodes that set none (simulation); empty: none named."""
     return str(config.get(CLIENT_STATE_DIR, ""))
+
+
+def code_digest(config: Mapping[str, Scalar]) -> str:
+    """The digest of the ServerApp's code (simulation); empty: none sent."""
+    return str(config.get(CODE_DIGEST, ""))
 
 
 def marked_state_dir(config: Mapping[str, Scalar]) -> str:
