@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 from compare import machine_description, preset_federation, preset_overrides  # noqa: E402
 
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
+from protofl.strategies import get_method  # noqa: E402
 from protofl.task.augment import make_augment  # noqa: E402
 from protofl.task import capture  # noqa: E402
 from protofl.task.capture import resolve_cuda_graphs  # noqa: E402
@@ -65,6 +66,12 @@ from protofl.task.partition import client_split, partition_indices  # noqa: E402
 from protofl.task.sampling import client_seed  # noqa: E402
 from protofl.task.train import features_and_logits, get_device, resolve_amp, train, uses_channels_last  # noqa: E402
 from protofl.task.weights import get_weights, set_weights  # noqa: E402
+
+
+def train_arguments(settings: ExperimentSettings, seed: int) -> dict:
+    """The training loop's arguments of a round-1 client of ``settings``' method (its clipping)."""
+    options = get_method(settings.method)[0].options_class.from_settings(settings)
+    return settings.train_arguments(1, seed, options)
 
 
 def stand_in_clients(settings: ExperimentSettings, num_clients: int, device: torch.device) -> list[tuple]:
@@ -126,8 +133,8 @@ def measure(variants: dict[str, ExperimentSettings], clients: list[tuple], batch
                 set_weights(model, global_weights[architectures[p]])
                 sync(device)
                 t0 = time.perf_counter()
-                train(model, train_x, train_y, augment=augment, **settings.train_arguments(
-                    1, client_seed(settings.seed, server_round, p)) | {"epochs": 1, "batch_size": batch_size})
+                train(model, train_x, train_y, augment=augment, **train_arguments(
+                    settings, client_seed(settings.seed, server_round, p)) | {"epochs": 1, "batch_size": batch_size})
                 sync(device)
                 t1 = time.perf_counter()
                 features_and_logits(model, test_x, **settings.precision)
@@ -288,8 +295,8 @@ def measure_in_flight(variants: dict[str, ExperimentSettings], clients: list[tup
                 for p in range(k, len(clients), in_flight):
                     model = models[k][architectures[p]]
                     set_weights(model, global_weights[architectures[p]])
-                    train(model, clients[p][0], clients[p][1], augment=augment, **settings.train_arguments(
-                        1, client_seed(settings.seed, server_round, p)) | {"epochs": 1, "batch_size": batch_size})
+                    train(model, clients[p][0], clients[p][1], augment=augment, **train_arguments(
+                        settings, client_seed(settings.seed, server_round, p)) | {"epochs": 1, "batch_size": batch_size})
 
         seconds = []
         for server_round in range(rounds + 1):  # round 0: warm-up, the threads one after the other

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from protofl.task.models import build_model, model_bytes
+from protofl.task.models import SeededDropout, SplitModel, build_model, model_bytes
 from protofl.task.train import step_kind, train
 
 
@@ -160,24 +160,30 @@ def test_fedsc_and_fedskc_resnets_have_one_block_per_stage():
     assert conv.weight.std().item() == pytest.approx((2 / (9 * 256)) ** 0.5, rel=0.05)
 
 
-@pytest.mark.parametrize("name", ["tv-googlenet", "tv-mobilenetv2"])
-def test_dropout_masks_come_from_the_clients_seed_not_the_process(name):
+def test_dropout_masks_come_from_the_clients_seed_not_the_process():
     """Training with dropout repeats exactly whatever torch's global generator holds (another
     thread's draws, another process's or node's history); without dropout it trains otherwise."""
-    x, y = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
+    x, y = torch.randn(8, 12), torch.arange(8) % 3
 
-    def trained(global_seed, dropout=True):
-        model = build_model(name, 3, 10, 32, seed=0)
-        for module in model.modules():
-            if not dropout and hasattr(module, "p"):
-                module.p = 0.0
+    def trained(global_seed, p=0.5):
+        torch.manual_seed(0)
+        model = SplitModel(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), SeededDropout(p)), nn.Linear(16, 3), 16)
         torch.manual_seed(global_seed)
-        train(model, x, y, epochs=1, batch_size=4, lr=0.1, seed=0, channels_last=False, amp="off")
+        train(model, x, y, epochs=1, batch_size=4, lr=0.1, seed=0)
         return model.head.weight.detach().clone()
 
     first = trained(1)
     assert torch.equal(trained(2), first)
-    assert not torch.equal(trained(1, dropout=False), first)
-    # on CUDA such a step runs eagerly: a captured one would replay its first masks
+    assert not torch.equal(trained(1, p=0.0), first)
+
+
+@pytest.mark.parametrize("name", ["tv-googlenet", "tv-mobilenetv2"])
+def test_the_torchvision_backbones_with_dropout_draw_their_masks_so(name):
+    """Their dropout is SeededDropout; on CUDA their step runs eagerly (a captured one would replay
+    its first masks)."""
+    with torch.device("meta"):
+        model = build_model(name, 3, 10, 32, seed=0)
+    assert any(isinstance(m, SeededDropout) for m in model.modules())
+    assert not any(type(m) is nn.Dropout for m in model.modules())
     cuda = torch.device("cuda")
-    assert (step_kind("auto", cuda, build_model(name, 3, 10, 32, seed=0)), step_kind("auto", cuda)) == ("off", "captured")
+    assert (step_kind("auto", cuda, model), step_kind("auto", cuda)) == ("off", "captured")
