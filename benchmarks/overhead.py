@@ -58,7 +58,8 @@ def bare_loop(settings: ExperimentSettings, num_clients: int) -> list[float]:
             train(
                 model, clients[p].train_x, clients[p].train_y, epochs=settings.local_epochs,
                 batch_size=settings.batch_size, lr=settings.round_lr(server_round), momentum=settings.momentum,
-                weight_decay=settings.weight_decay, max_grad_norm=settings.max_grad_norm,
+                weight_decay=settings.weight_decay,
+                max_grad_norm=0.0 if settings.max_grad_norm == "auto" else settings.max_grad_norm,  # FedAvg's "auto"
                 partial_batch=settings.partial_batch,
                 seed=client_seed(settings.seed, server_round, p),
             )
