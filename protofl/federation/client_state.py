@@ -63,9 +63,14 @@ def not_shared_line(text: str) -> str | None:
     return match.group(0) if match else None
 
 
+def token_digits(token: str) -> str:
+    """A run token as it appears in file names: its hex digits only (it comes from the server)."""
+    return re.sub(r"[^0-9a-f]", "", token)
+
+
 def run_marker(directory: Path, run_name: str, token: str) -> Path:
     """The file a simulation's ServerApp places in the clients' state dir at its start."""
-    return directory / safe_name(run_name) / f".run-{ClientStateStore._token(token)}"
+    return directory / safe_name(run_name) / f".run-{token_digits(token)}"
 
 
 def node_state_directory() -> Path:
@@ -101,10 +106,6 @@ class ClientStateStore:
             return Path(self.state_dir).expanduser()
         return Path(self.suggested) if self.suggested else node_state_directory()
 
-    @staticmethod
-    def _token(token: str) -> str:
-        return re.sub(r"[^0-9a-f]", "", token)
-
     def check_shared(self, run_name: str, token: str, marked: str) -> None:
         """Raises :class:`StateDirNotShared` when this store keeps its state in ``marked`` (the
         state dir the ServerApp marked) but does not see the run's marker there."""
@@ -132,7 +133,7 @@ class ClientStateStore:
             folder, versions = self._folder(directory, run_name), {}
             for path in folder.glob("*.npz") if folder.is_dir() else ():
                 match = _VERSION_NAME.fullmatch(path.name)
-                if match and match["token"] == self._token(token):
+                if match and match["token"] == token_digits(token):
                     versions[int(match["round"])] = path
         return {r: path for r, path in versions.items() if before is None or r < before}
 
@@ -168,7 +169,7 @@ class ClientStateStore:
         if not self.state_dir:  # a default one: only this node's user may enter it
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder = self._folder(directory, run_name)
-        atomic_write(folder / f"round-{server_round}.{self._token(token)}.npz", data)
+        atomic_write(folder / f"round-{server_round}.{token_digits(token)}.npz", data)
         versions = self._versions(run_name, token, None)
         older = [r for r in versions if r <= needed_from]
         keep = {r for r in versions if r > needed_from} | ({max(older)} if older else set())
