@@ -7,11 +7,16 @@ per round for ``--rounds`` rounds, twice over, alternating: with the state in me
 (``state-dir="memory"``) and on disk (the default, a state dir as in simulation), each fit the whole
 client (``client_fn``, restore, one local epoch, the prototype pass, the upload, the save). The
 table gives the median fit time of each; the times of the save alone (``ClientStateStore.save``:
-``.npz`` bytes, a temporary file fsynced and renamed, the directory fsynced, old versions deleted)
+an array blob, a temporary file fsynced and renamed, the directory fsynced, old versions deleted)
 and of the load (the newest version read back), and their share of the disk fit; the bytes of one
 version and what the partition's directory holds after the last round (``checkpoint-every=1``: two
 versions). Round 1 of each side is left out (warm-up). Writes ``<out>/client_state.json`` and
 ``<out>/client_state.md`` and prints the table.
+
+``--formats N``: instead, one version of each model's state saved and read back N times in each
+file format, taking turns: ``.npz`` (what state files were until 2026-11-26) and the array blob
+(``protofl.task.storage``); the same atomic, fsynced write, the model's tensors as the client
+hands them over. Medians; writes ``<out>/state_formats.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from flwr.common import Context, FitIns, ndarrays_to_parameters  # noqa: E402
 from protofl.client_app import make_client_fn  # noqa: E402
 from protofl.federation import client_state  # noqa: E402
 from protofl.federation.wire import round_config  # noqa: E402
+from protofl.task import storage  # noqa: E402
+from protofl.task.models import build_model  # noqa: E402
+from protofl.task.weights import all_tensors  # noqa: E402
 from protofl.settings import default_run_config, parse_overrides  # noqa: E402
 
 
@@ -68,7 +76,7 @@ def measure(model: str, args: argparse.Namespace) -> dict:
                 functions[side](context).fit(FitIns(ndarrays_to_parameters([]), config))
                 fits[side].append(time.perf_counter() - started)
         folder = Path(state_dir) / "bench" / "partition-0"
-        versions = sorted(folder.glob("*.npz"))
+        versions = sorted(folder.glob("*.state"))
         version_bytes = versions[-1].stat().st_size
         on_disk = sum(p.stat().st_size for p in versions)
     for name, original in originals.items():
@@ -81,6 +89,27 @@ def measure(model: str, args: argparse.Namespace) -> dict:
         "version_mib": round(version_bytes / 2**20, 2), "on_disk_mib": round(on_disk / 2**20, 2),
         "versions_kept": len(versions),
     }
+
+
+def format_timings(model: str, repeats: int) -> dict:
+    arrays = {name: t.detach().to("cpu", copy=True).numpy() for name, t in all_tensors(build_model(model, 3, 10, 32, 0)).items()}
+    formats = {  # name: (write, read)
+        "npz": (lambda p: storage.atomic_write(p, storage.arrays_to_bytes(arrays)),
+                lambda p: storage.arrays_from_bytes(p.read_bytes())),
+        "blob": (lambda p: storage.atomic_write(p, storage.array_blob_parts(arrays)),
+                 lambda p: storage.arrays_from_blob(storage.read_file(p))),
+    }
+    seconds = {f"{name} {step}": [] for name in formats for step in ("save", "load")}
+    with tempfile.TemporaryDirectory(prefix="protofl-formats-") as directory:
+        for _ in range(repeats):
+            for name, (write, read) in formats.items():
+                path = Path(directory) / name
+                for step, action in (("save", write), ("load", read)):
+                    started = time.perf_counter()
+                    action(path)
+                    seconds[f"{name} {step}"].append(time.perf_counter() - started)
+    return {"model": model, "mib": round(sum(a.nbytes for a in arrays.values()) / 2**20, 1)} | {
+        k: round(statistics.median(v), 4) for k, v in seconds.items()}
 
 
 def table(rows: list[dict]) -> str:
@@ -100,8 +129,17 @@ def main() -> None:
     parser.add_argument("--num-partitions", type=int, default=20)
     parser.add_argument("--run-config", default="dataset='fmnist' local-epochs=1 batch-size=10 lr=0.005",
                         help="run-config overrides (flwr's form)")
+    parser.add_argument("--formats", type=int, default=0, metavar="N")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "client-state")
     args = parser.parse_args()
+    if args.formats:
+        rows = [format_timings(model, args.formats) for model in args.models]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "state_formats.json").write_text(json.dumps(rows, indent=2))
+        print(f"{datetime.date.today()}, {machine_description()}, `{' '.join(sys.argv)}`")
+        for row in rows:
+            print(row)
+        return
     rows = []
     for model in args.models:
         rows.append(measure(model, args))

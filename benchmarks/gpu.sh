@@ -7,8 +7,10 @@
 #               once; 1,875 training samples per client (CIFAR-10 over 20 clients, less the test
 #               split), 8 clients (2 at batch 10 with fp32 eager steps)
 #   fedproto:   FedProto with tv-resnet18 beside PFLlib's, same data (benchmarks/pfllib_fedproto.sh)
+#   profile:    where a FedProto client message's time goes (benchmarks/message_profile.py): tv-resnet18 on
+#               the PFLlib comparison's data, 20 clients one after the other in one process, batch 64 and 10
 #   sweep:      every backbone at batch 64, fp32 eager against bf16 captured, NCHW and channels-last
-# Usage: OUT=<folder> bash benchmarks/gpu.sh [tests|throughput|fedproto|sweep|all]  (tables and logs under $OUT)
+# Usage: OUT=<folder> bash benchmarks/gpu.sh [tests|throughput|fedproto|profile|sweep|all]  (tables and logs under $OUT)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -16,7 +18,8 @@ mkdir -p "$OUT"
 # an offline GPU machine: the wheels and set-up brought along (see DEVELOPERS.md)
 [ -f .gpu/setup_env.sh ] && [ "${SETUP:-yes}" != skip ] && source .gpu/setup_env.sh .gpu-wheels
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/machine.txt" 2>&1
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  lscpu | grep -E "Model name|^CPU\(s\)"; df -h /tmp | tail -1; findmnt -n -o SOURCE,FSTYPE,OPTIONS --target /tmp; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'" --variant "defaults=")
 measure() {  # batch size, clients, data fraction, rounds, models, extra arguments
@@ -45,6 +48,19 @@ if [ "$what" = throughput ] || [ "$what" = all ]; then
 fi
 if [ "$what" = fedproto ] || [ "$what" = all ]; then
   SETUP=skip bash benchmarks/pfllib_fedproto.sh
+fi
+if [ "$what" = profile ] || [ "$what" = all ]; then
+  DATA=${DATA:-/tmp/pflbench}
+  [ -s "$DATA/sizes.json" ] || timeout 90 python3 benchmarks/pfllib_data.py --out "$DATA" --samples 60000 --clients 20 \
+    --alpha 0.1 --seed 1 > "$OUT/profile-data.txt" 2>&1
+  for batch in ${PROFILE_BATCHES:-64 10}; do  # PROFILE_ARGS: more arguments, e.g. --no-fsync --cprofile 30
+    command="python3 -u benchmarks/message_profile.py --num-nodes 20 ${PROFILE_ARGS:-} --run-config \"method='fedproto'
+      model='tv-resnet18' dataset='cifar10' data-dir='$DATA/cifar' pool='train+test' partition='dirichlet-pfllib' alpha=0.1
+      partition-seed=1 num-server-rounds=2 batch-size=$batch lr=0.005 eval-every=1000 checkpoint-every=0\" --out /tmp/profile/$batch"
+    echo "## $command" >> "$OUT/profile.md"
+    eval timeout -s INT "${PROFILE_TIMEOUT:-100}" $command 2>&1 | grep -vE "INFO|WARNING" | tail -52 >> "$OUT/profile.md"
+    tail -13 "$OUT/profile.md"
+  done
 fi
 if [ "$what" = sweep ] || [ "$what" = all ]; then  # every backbone at batch 64, 4 clients of 2,500 samples
   variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'"

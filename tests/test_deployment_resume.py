@@ -65,7 +65,7 @@ def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results
     assert children and Checkpoint.load(tmp_path / "killed").server_round == 2
     default = deployment.workdir / clientapp / "flwr-home" / "protofl-state"  # its $FLWR_HOME's
     assert os.stat(default).st_mode & 0o777 == 0o700
-    assert any((default / "killed" / f"partition-{KILLED_NODE - 1}").glob("round-*.npz"))  # what it continues from
+    assert any((default / "killed" / f"partition-{KILLED_NODE - 1}").glob("round-*.state"))  # what it continues from
     assert not (tmp_path / "killed" / "client-state").exists()  # not the server's disk: a deployment
     for name in (node, clientapp):
         host, port = (nodes[KILLED_NODE - 1][0], nodes[KILLED_NODE - 1][1]) if name == node else ("127.0.0.1", None)

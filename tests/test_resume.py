@@ -143,7 +143,7 @@ def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp
     for r in (1, 2, 3):  # the server checkpointed round 1 (checkpoint-every=2, say)
         store.save("run", "ab", r, {"w": np.full(2, float(r))}, needed_from=1)
     folder = tmp_path / "run" / "partition-3"
-    assert sorted(p.name for p in folder.iterdir()) == [f"round-{r}.ab.npz" for r in (1, 2, 3)]
+    assert sorted(p.name for p in folder.iterdir()) == [f"round-{r}.ab.state" for r in (1, 2, 3)]
     assert store.load("run", "ab", before=3)["w"][0] == 2.0  # round 3 again: from round 2's state
     assert store.load("run", "ab", before=2)["w"][0] == 1.0
     assert store.load("run", "ab", before=1) == {}  # before its first round: nothing
@@ -151,10 +151,58 @@ def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp
     assert store.load("run", "cd", before=None) == {}  # another run's token: not this run's state
     (folder / ".round-4.ab.npz.x.tmp").write_bytes(b"partial")
     store.save("run", "ab", 4, {"w": np.full(2, 4.0)}, needed_from=3)  # checkpoint at 3: 1 and 2 go
-    assert sorted(p.name for p in folder.iterdir()) == ["round-3.ab.npz", "round-4.ab.npz"]
+    assert sorted(p.name for p in folder.iterdir()) == ["round-3.ab.state", "round-4.ab.state"]
     store.save("run", "ef", 1, {"w": np.zeros(2)}, needed_from=0)  # a fresh run replaces the old one's
-    assert sorted(p.name for p in folder.iterdir()) == ["round-1.ef.npz"]
-    assert os.stat(folder / "round-1.ef.npz").st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in folder.iterdir()) == ["round-1.ef.state"]
+    assert os.stat(folder / "round-1.ef.state").st_mode & 0o777 == 0o600
+
+
+def test_state_files_are_array_blobs_and_earlier_npz_versions_are_still_read(tmp_path):
+    """A state file is an array blob (no zip, no CRC: written and read every round); one that an
+    earlier protofl wrote as .npz is still read, and a newer blob of the same round wins."""
+    store = ClientStateStore(RecordDict(), 0, str(tmp_path))
+    folder = tmp_path / "run" / "partition-0"
+    folder.mkdir(parents=True)
+    (folder / "round-1.ab.npz").write_bytes(storage.arrays_to_bytes({"w": np.full(2, 1.0)}))
+    assert store.load("run", "ab", before=2)["w"].tolist() == [1.0, 1.0]
+    store.save("run", "ab", 2, {"w": np.full(2, 2.0), "n": np.int64(7)}, needed_from=1)
+    assert (folder / "round-2.ab.state").read_bytes().startswith(storage.BLOB_MAGIC)
+    loaded = store.load("run", "ab", before=3)
+    assert loaded["w"].tolist() == [2.0, 2.0] and loaded["n"] == 7 and loaded["w"].flags.writeable
+    (folder / "round-1.ab.state").write_bytes(storage.arrays_to_blob({"w": np.full(2, 5.0)}))
+    assert store.load("run", "ab", before=2)["w"].tolist() == [5.0, 5.0]
+
+
+def test_a_damaged_array_blob_is_a_value_error():
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.int64(5), "e": np.zeros((0, 4))}
+    blob = storage.arrays_to_blob(arrays)
+    back = storage.arrays_from_blob(bytearray(blob))
+    assert {k: (v.dtype, v.shape) for k, v in back.items()} == {k: (v.dtype, v.shape) for k, v in arrays.items()}
+    assert all(np.array_equal(back[k], v) for k, v in arrays.items())
+    damaged = [b"PK" + blob[2:], blob[:40], blob[:-4], blob.replace(b'"<f4"', b'"|O"'), blob.replace(b'"<f4"', b'"zz"'),
+               blob.replace(b"[2, 3]", b"[2, -3]"), blob.replace(b'"w"', b'"n"')]
+    for data in damaged:
+        with pytest.raises(ValueError):
+            storage.arrays_from_blob(data)
+    with pytest.raises(ValueError, match="object"):
+        storage.arrays_to_blob({"o": np.array([None])})
+
+
+def test_a_fit_that_first_scores_the_previous_round_reads_the_state_once(tmp_path, monkeypatch):
+    """evaluation-message=fit scores the state from before this round, then trains from the same
+    state: one read, not two (tv-resnet18's state is 43 MB)."""
+    store = ClientStateStore(RecordDict(), 0, str(tmp_path))
+    store.save("run", "ab", 1, {"w": np.full(2, 1.0)}, needed_from=0)
+    reads = []
+    monkeypatch.setattr(client_state, "read_file", lambda path: reads.append(path) or storage.read_file(path))
+    state = client_state.LocalState(store)
+    config = round_config(2, 0, "run", "ab")
+    for _ in range(2):
+        state.use(config, 2)
+        assert state.arrays["w"].tolist() == [1.0, 1.0]
+    state.use(config, 3)
+    assert state.arrays["w"].tolist() == [1.0, 1.0]
+    assert len(reads) == 2
 
 
 def test_state_dir_memory_keeps_one_version_in_context_state():
@@ -176,12 +224,12 @@ def test_the_default_state_dir_is_the_servers_in_simulation_else_the_flower_home
     store.locate(config)
     store.save("run", "ab", 1, {"w": np.ones(2)}, needed_from=0)
     default = tmp_path / "home" / "protofl-state"
-    assert (default / "run" / "partition-2" / "round-1.ab.npz").is_file()
+    assert (default / "run" / "partition-2" / "round-1.ab.state").is_file()
     assert os.stat(default).st_mode & 0o777 == 0o700
     store.locate(round_config(2, 0, "run", "ab", 1, str(tmp_path / "run-dir" / "client-state")))
     assert store.newest_round("run", "ab", before=None) == 0  # another directory: nothing there yet
     store.save("run", "ab", 2, {"w": np.ones(2)}, needed_from=1)
-    assert (tmp_path / "run-dir" / "client-state" / "run" / "partition-2" / "round-2.ab.npz").is_file()
+    assert (tmp_path / "run-dir" / "client-state" / "run" / "partition-2" / "round-2.ab.state").is_file()
     chosen = ClientStateStore(RecordDict(), 2, str(tmp_path / "mine"))
     chosen.locate(round_config(2, 0, "run", "ab", 1, str(tmp_path / "run-dir" / "client-state")))
     assert chosen.directory == tmp_path / "mine"
@@ -195,7 +243,7 @@ def test_a_partition_never_holds_more_state_files_than_the_disk_check_counts(tmp
 
     def counting(path, data):  # a new version beside the older ones, before those go
         write(path, data)
-        most[0] = max(most[0], len(list(path.parent.glob("*.npz"))))
+        most[0] = max(most[0], len(list(path.parent.glob("*.state"))))
 
     monkeypatch.setattr(client_state, "atomic_write", counting)
     for r in range(1, 13):
@@ -246,7 +294,7 @@ def test_a_client_keeps_state_only_where_it_sees_the_servers_marker(tmp_path):
     state = client()
     state.arrays["w"] = np.ones(2)
     state.save(config)
-    assert (shared / "r" / "partition-0" / f"round-1.{checkpoints.run_token}.npz").is_file()
+    assert (shared / "r" / "partition-0" / f"round-1.{checkpoints.run_token}.state").is_file()
     marker.unlink()  # this node does not see the server's disk
     with pytest.raises(client_state.StateDirNotShared, match=f"state-dir {shared} is not shared with the ServerApp"):
         client().arrays
@@ -405,7 +453,7 @@ def test_a_method_declares_the_client_state_it_keeps(tmp_path, method, options):
     """What a resume checks (MethodOptions.keeps_client_state) is what the clients really keep."""
     config = RUN | {"method": method, "output-dir": str(tmp_path), "run-name": "r", "num-server-rounds": 1} | options
     strategy, _ = run_in_process(config, num_nodes=3)
-    kept = list((tmp_path / "r" / "client-state").glob("r/partition-*/round-1.*.npz"))
+    kept = list((tmp_path / "r" / "client-state").glob("r/partition-*/round-1.*.state"))
     assert bool(kept) == strategy.options.keeps_client_state
 
 
@@ -465,7 +513,7 @@ def test_a_process_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_pa
     killed = config | {"run-name": "killed"}
     command = [sys.executable, str(TESTS / "interrupted.py"), json.dumps(killed), "4", "4"]  # hangs in round 4
     kill_during_round_3(tmp_path / "killed", command, os.environ | {"PYTHONPATH": str(TESTS)}, str(tmp_path))
-    saved = sorted(p.name for p in (tmp_path / "state" / "killed").glob("partition-*/round-3.*.npz"))
+    saved = sorted(p.name for p in (tmp_path / "state" / "killed").glob("partition-*/round-3.*.state"))
     assert saved or method in ("fedavg", "fedskc")  # personal models of round 3, which the replay must not read
     run_in_process(killed | {"resume": True}, num_nodes=4)
     assert_same_rounds(tmp_path / "killed", tmp_path / "whole")

@@ -312,7 +312,7 @@ class PrototypeClient(NumPyClient):
     def store_personal_model(self) -> None:
         """Keep the whole model (parameters and every buffer) in :attr:`local_state`."""
         tensors = all_tensors(self.model)
-        self.local_state.update({MODEL_PREFIX + k: v.detach().cpu().numpy().copy() for k, v in tensors.items()})
+        self.local_state.update({MODEL_PREFIX + k: v.detach().to("cpu", copy=True).numpy() for k, v in tensors.items()})
 
     def score(self, predictors: Mapping[str, Predictor]) -> tuple[float, int, dict[str, Scalar]]:
         """(loss, num_test, metrics) of :func:`~protofl.federation.scoring.local_scores`, reporting

@@ -2,7 +2,8 @@
 
 :class:`ClientStateStore`: named arrays (a personal model, FedSA's margin, ...) per
 partition, a file per round that the partition trained in,
-``<state dir>/<run name>/partition-<id>/round-<r>.<run token>.npz``. The state dir is the node's
+``<state dir>/<run name>/partition-<id>/round-<r>.<run token>.state`` (an array blob,
+:func:`protofl.task.storage.arrays_from_blob`; ``.npz`` files of earlier versions are read too). The state dir is the node's
 ``state-dir`` (node config), else the run config's, else the one the server names in its
 instructions in simulation (``<run directory>/client-state``), else, in a deployment,
 ``$FLWR_HOME/protofl-state`` (``~/.flwr/protofl-state``) of the process that runs the ClientApp;
@@ -34,11 +35,19 @@ from flwr.common.logger import log
 
 from protofl.federation import wire
 from protofl.federation.code_identity import check_same_code
-from protofl.task.storage import arrays_from_bytes, arrays_to_bytes, atomic_write, remove_partial_writes
+from protofl.task.storage import (
+    array_blob_parts,
+    arrays_from_blob,
+    arrays_from_bytes,
+    arrays_to_blob,
+    atomic_write,
+    read_file,
+    remove_partial_writes,
+)
 
 MEMORY = "memory"  # the state-dir that keeps a node's state in Flower's context.state
 MEMORY_RECORD = "protofl-state"
-_VERSION_NAME = re.compile(r"round-(?P<round>\d+)\.(?P<token>[0-9a-f]*)\.npz")
+_VERSION_NAME = re.compile(r"round-(?P<round>\d+)\.(?P<token>[0-9a-f]*)\.(state|npz)")
 
 
 def safe_name(text: str) -> str:
@@ -131,7 +140,7 @@ class ClientStateStore:
             versions: dict[int, Path | None] = {int(blob.get("round", 0)): None} if blob is not None else {}
         else:
             folder, versions = self._folder(directory, run_name), {}
-            for path in folder.glob("*.npz") if folder.is_dir() else ():
+            for path in sorted(folder.iterdir(), key=lambda p: p.suffix == ".state") if folder.is_dir() else ():
                 match = _VERSION_NAME.fullmatch(path.name)
                 if match and match["token"] == token_digits(token):
                     versions[int(match["round"])] = path
@@ -147,8 +156,8 @@ class ClientStateStore:
         for server_round in sorted(versions, reverse=True):
             path = versions[server_round]
             try:
-                data = self.memory[MEMORY_RECORD]["arrays"] if path is None else path.read_bytes()
-                return arrays_from_bytes(data)
+                data = bytearray(self.memory[MEMORY_RECORD]["arrays"]) if path is None else read_file(path)
+                return arrays_from_bytes(bytes(data)) if data[:2] == b"PK" else arrays_from_blob(data)
             except (OSError, ValueError) as err:  # ours, written atomically: only a damaged disk
                 log(WARNING, "protofl: partition %d's state of round %d is unreadable (%s)",
                     self.partition_id, server_round, err)
@@ -159,23 +168,22 @@ class ClientStateStore:
         """Keep ``arrays`` as the state after ``server_round``. On disk, the versions a replay of
         any round after ``needed_from`` (the server's last checkpoint) may read stay; the others
         go, with other runs' versions and interrupted writes."""
-        data = arrays_to_bytes(arrays)
         directory = self.directory
         if directory is None:
             from flwr.app import ConfigRecord
 
-            self.memory[MEMORY_RECORD] = ConfigRecord({"arrays": data, "round": server_round})
+            self.memory[MEMORY_RECORD] = ConfigRecord({"arrays": arrays_to_blob(arrays), "round": server_round})
             return
         if not self.state_dir:  # a default one: only this node's user may enter it
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder = self._folder(directory, run_name)
-        atomic_write(folder / f"round-{server_round}.{token_digits(token)}.npz", data)
+        atomic_write(folder / f"round-{server_round}.{token_digits(token)}.state", array_blob_parts(arrays))
         versions = self._versions(run_name, token, None)
         older = [r for r in versions if r <= needed_from]
         keep = {r for r in versions if r > needed_from} | ({max(older)} if older else set())
         kept = {versions[r] for r in keep}
-        for path in folder.glob("*.npz"):
-            if path not in kept:
+        for path in folder.iterdir():
+            if _VERSION_NAME.fullmatch(path.name) and path not in kept:
                 path.unlink(missing_ok=True)
         remove_partial_writes(folder)
 
@@ -199,8 +207,10 @@ class LocalState:
         self._locate(config, before)
 
     def _locate(self, config: Mapping[str, Any], before: int) -> None:
-        self.run, self.before, self._arrays = wire.run_identity(config), before, None
-        self.marked = wire.marked_state_dir(config)
+        located = (wire.run_identity(config), before, wire.marked_state_dir(config), wire.client_state_dir(config))
+        if located != (self.run, self.before, self.marked, self.store.suggested):  # else: what was read stays
+            self._arrays = None
+        self.run, self.before, self.marked = located[:3]
         self.store.locate(config)
 
     def held(self, config: Mapping[str, Any]) -> dict[str, int]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
+import math
 import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -18,16 +20,17 @@ import numpy as np
 NUMPY_HEADER_LOCK = threading.Lock()
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a part
-    of one: a temporary file (mode 0600) in the same directory, fsynced, renamed over ``path``, and
-    the directory fsynced so that the rename itself is on disk."""
+def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview]) -> None:
+    """Write ``data`` (or its parts, one after another) to ``path`` so that a crash leaves the old
+    file or the new one, never a part of one: a temporary file (mode 0600) in the same directory,
+    fsynced, renamed over ``path``, and the directory fsynced so that the rename itself is on disk."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for part in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                handle.write(part)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(partial, path)
@@ -58,3 +61,69 @@ def arrays_from_bytes(data: bytes) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` blob, read without pickle (an object array is a ``ValueError``)."""
     with NUMPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as arrays:
         return {name: arrays[name] for name in arrays.files}
+
+
+# Named arrays as a flat blob: BLOB_MAGIC, the header's length (8 bytes, little-endian), the header
+# (JSON: [name, dtype, shape, offset] per array, offsets from the end of the header), then each
+# array's bytes in C order at a 64-byte-aligned offset. Written from the arrays' own memory and read
+# as views of the bytes read: no zip, CRC or per-array copy (a client's state is its whole model,
+# written and read every round; .npz cost tv-resnet18's 43 MB about 100 ms each way on a 2-core VM).
+BLOB_MAGIC = b"PROTOFL-ARRAYS-1"
+_ALIGN = 64
+_BLOB_KINDS = "biuf"  # booleans, integers, floats: never an object array
+
+
+def array_blob_parts(arrays: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+    """``arrays`` as the parts of one blob (:func:`arrays_from_blob` reads their concatenation)."""
+    header, data, offset = [], [], 0
+    for name, value in arrays.items():
+        array = np.asarray(value)
+        array = array if array.flags.c_contiguous else array.copy(order="C")
+        if array.dtype.kind not in _BLOB_KINDS:
+            raise ValueError(f"array {name!r} has dtype {array.dtype}: only booleans, integers and floats")
+        padding = -offset % _ALIGN
+        data += [bytes(padding), memoryview(array.reshape(-1)).cast("B")]
+        offset += padding
+        header.append([name, array.dtype.str, list(array.shape), offset])
+        offset += array.nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-(len(BLOB_MAGIC) + 8 + len(encoded)) % _ALIGN)
+    return [BLOB_MAGIC, len(encoded).to_bytes(8, "little"), encoded, *data]
+
+
+def arrays_to_blob(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """``arrays`` as one blob (see :func:`array_blob_parts`)."""
+    return b"".join(array_blob_parts(arrays))
+
+
+def arrays_from_blob(data: bytes | bytearray) -> dict[str, np.ndarray]:
+    """The arrays of a blob, as views of ``data`` (writable when ``data`` is a bytearray). Anything
+    else than a blob of booleans, integers and floats inside ``data`` is a ``ValueError``."""
+    start = len(BLOB_MAGIC) + 8
+    if bytes(data[:len(BLOB_MAGIC)]) != BLOB_MAGIC or len(data) < start:
+        raise ValueError("not an array blob")
+    base = start + int.from_bytes(data[len(BLOB_MAGIC):start], "little")
+    try:
+        header = json.loads(bytes(data[start:base]))
+        arrays = {}
+        for name, dtype, shape, offset in header:
+            dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
+            count = math.prod(shape)
+            if (not isinstance(name, str) or name in arrays or dtype.kind not in _BLOB_KINDS or min(shape, default=0) < 0
+                    or offset < 0 or base + offset + count * dtype.itemsize > len(data)):
+                raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}, offset {offset} in {len(data)} bytes")
+            arrays[name] = np.frombuffer(data, dtype, count, base + offset).reshape(shape)
+    except (TypeError, OverflowError, json.JSONDecodeError) as err:
+        raise ValueError(f"a damaged array blob header: {err}") from err
+    if base > len(data):
+        raise ValueError("a damaged array blob header")
+    return arrays
+
+
+def read_file(path: Path) -> bytearray:
+    """The file's bytes, read into one writable buffer."""
+    with open(path, "rb") as handle:
+        data = bytearray(os.fstat(handle.fileno()).st_size)
+        if handle.readinto(data) != len(data):
+            raise OSError(f"{path} changed while being read")
+    return data
