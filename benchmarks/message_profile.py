@@ -10,7 +10,9 @@ Phases (inclusive; a phase inside another counts in both): the whole message, th
 (the personal model), loading what the server sent, training, the class statistics, the shared
 arrays going up. On CUDA each phase starts and ends with ``torch.cuda.synchronize()``, so that
 the GPU work it queued counts in it. Round 1 (data loading, CUDA set-up, the first capture) is left
-out of the means. Writes ``message_profile.json`` under ``--out``.
+out of the means. Writes ``message_profile.json`` under ``--out``. ``--cprofile N`` and
+``--torch-profile N`` also print where the host's time goes (cProfile) and which operators take
+the device's (torch.profiler, one fit message of round 2).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def main() -> int:
                         help="the state files written without fsync (to measure what fsync costs)")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N functions with the most own time (cProfile)")
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                        help="also trace round 2's first fit message with torch.profiler and print the N "
+                             "operators with the most own device time (CPU time without CUDA)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     run_config = default_run_config(ROOT / "pyproject.toml") | parse_overrides(args.run_config)
@@ -99,6 +104,7 @@ def main() -> int:
     original_round = InProcessProxy._call
     messages = {"count": 0}
     profiler = cProfile.Profile() if args.cprofile else None
+    traced: list[torch.profiler.profile] = []
 
     def per_round(self, kind, ins):  # a new round starts with each node's first fit
         if kind == "fit":
@@ -107,8 +113,16 @@ def main() -> int:
                 rounds.append(collections.defaultdict(list))
         if profiler:  # the clients run on the server's worker thread
             profiler.enable()
+        trace = (kind == "fit" and args.torch_profile and len(rounds) == 2 and not traced)
         try:
-            reply = original_round(self, kind, ins)
+            if trace:
+                activities = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                with torch.profiler.profile(activities=activities) as tracer:
+                    reply = original_round(self, kind, ins)
+                traced.append(tracer)
+            else:
+                reply = original_round(self, kind, ins)
         finally:
             if profiler:
                 profiler.disable()
@@ -124,6 +138,9 @@ def main() -> int:
     wall = time.perf_counter() - t0
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+    for tracer in traced:
+        device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(tracer.key_averages().table(sort_by=device, row_limit=args.torch_profile))
     later = rounds[1:] or rounds
     summary = {name: {"calls_per_round": sum(len(r.get(name, [])) for r in later) / len(later),
                       "ms_per_call": 1000 * sum(sum(r.get(name, [])) for r in later)
