@@ -8,9 +8,9 @@ import pytest
 from fakes import OK, FakeProxy, start_round
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
-from protofl.federation.admission import DIVERGED_HINT, describe_failure, too_few_updates
+from protofl.federation.admission import DIVERGED_HINT, too_few_updates
 from protofl.federation.server import RunStopped
-from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics
+from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, describe_failure
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgStrategy
 from protofl.strategies.fedproto import FedProtoStrategy
@@ -65,19 +65,23 @@ def test_round_fails_clearly_when_too_few_valid_updates(tmp_path):
     )
 
 
-def test_a_failed_client_is_one_line_without_the_tracebacks_ray_wraps_it_in():
-    """What Flower's strategies get for a ClientApp that raised in a Ray simulation (its shape
-    copied from a run of flwr 1.42 and Ray 2.55; paths shortened): the client's exception line."""
+def ray_error_reply(line: str, message: str) -> ValueError:
+    """What Flower's strategies get for a ClientApp that raised ``line`` in a Ray simulation (its
+    shape copied from a run of flwr 1.42 and Ray 2.55; paths shortened)."""
     frames = "\n".join(f'  File "/venv/flwr/{name}.py", line {i}, in call\n    return x(y)\n           ^^^^' for i, name in
                        enumerate(("client_app", "message_handler", "numpy_client")))
     actor = "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=16171, ip=192.0.2.2, actor_id=062e, repr=<Actor at 0x7efe>)"
-    reason = (f"<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'{actor}\n{frames}\n"
-              "OSError: [Errno 28] No space left on device: '/state/partition-3'\n\n"
+    reason = (f"<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'{actor}\n{frames}\n{line}\n\n"
               "The above exception was the direct cause of the following exception:\n\n"
               f"{actor}\n{frames}\nflwr.clientapp.client_app.ClientAppException: \n"
-              "Exception ClientAppException occurred. Message: [Errno 28] No space left on device'>")
-    failure = ValueError(f"Message contains an Error (reason: {reason}). It originated during client-side "
-                         "execution of a message.")
+              f"Exception ClientAppException occurred. Message: {message}'>")
+    return ValueError(f"Message contains an Error (reason: {reason}). It originated during client-side "
+                      "execution of a message.")
+
+
+def test_a_failed_client_is_one_line_without_the_tracebacks_ray_wraps_it_in():
+    failure = ray_error_reply("OSError: [Errno 28] No space left on device: '/state/partition-3'",
+                              "[Errno 28] No space left on device")
     assert describe_failure(failure) == "client error: OSError: [Errno 28] No space left on device: '/state/partition-3'"
     assert describe_failure(ValueError("Message contains an Error (reason: <class 'KeyError'>:<'x'>). It originated "
                                        "during client-side execution of a message.")) == "client error: <class 'KeyError'>:<'x'>"
@@ -230,3 +234,25 @@ def test_results_record_how_each_client_computed_and_on_which_node(tmp_path):
         assert described["device"] == "cpu" and described["training_step"] == "off"
         assert described["host"] == socket.gethostname()
         assert described["memory_format"] in ("NCHW", "channels-last") and described["autocast"] in ("off", "bf16")
+
+
+def test_a_run_whose_every_node_fails_discovery_stops_naming_what_the_nodes_said(tmp_path, monkeypatch):
+    """Nodes whose ClientApp cannot start (here: no data where they look) fail the partition query;
+    the run stopped with "no client reported a partition id" and no cause. It now names the nodes'
+    own error line (Ray's tracebacks taken off, as for a failed fit)."""
+    from inprocess import InProcessProxy, run_in_process
+
+    from protofl.federation import partitions
+
+    monkeypatch.setattr(partitions, "DISCOVERY_TIMEOUT", 2.0)
+    monkeypatch.setattr(partitions.PartitionDiscovery, "poll", 0.1)
+
+    class NoData(InProcessProxy):
+        def get_properties(self, ins, timeout, group_id):
+            raise ray_error_reply("FileNotFoundError: data-dir /data/x does not exist", "data-dir /data/x does not exist")
+
+    run_config = {"method": "fedavg", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "run"}
+    run_in_process(run_config, num_nodes=2, node_class=lambda p: NoData)
+    stopped = json.loads((tmp_path / "run" / "results.json").read_text())["stopped"]
+    assert stopped == ("round 1: no client reported a partition id; cannot sample clients. 2 nodes connected: "
+                       "client error: FileNotFoundError: data-dir /data/x does not exist (2)")

@@ -44,6 +44,7 @@ from protofl.federation.wire import (
     STATE_ROUND,
     PayloadError,
     checked_count,
+    describe_failure,
     rejection_reason,
 )
 from protofl.task.data import PartitionSizes
@@ -87,6 +88,7 @@ class PartitionRegistry:
         self.claims: dict[str, PartitionClaim] = {}
         self.refused: dict[str, str] = {}
         self.failed: Counter[str] = Counter()
+        self.failures: dict[str, str] = {}  # node -> its last failed query, in one line
         self.warned: set[Any] = set()
 
     # --- discovery ----------------------------------------------------------------------------
@@ -103,9 +105,11 @@ class PartitionRegistry:
         timeout; such a node is not asked again)."""
         if isinstance(reply, BaseException):
             self.failed[node_id] = DISCOVERY_ATTEMPTS if timed_out else self.failed[node_id] + 1
+            self.failures[node_id] = rejection_reason(describe_failure(reply))
             again = "asked again next round" if self.failed[node_id] < DISCOVERY_ATTEMPTS else "not asked again"
-            log(WARNING, "node %s did not report its partition (%s): %s", node_id, again, rejection_reason(reply))
+            log(WARNING, "node %s did not report its partition (%s): %s", node_id, again, self.failures[node_id])
             return
+        self.failures.pop(node_id, None)
         try:
             self.claims[node_id] = PartitionClaim.from_properties(reply)
         except PayloadError as err:
@@ -233,6 +237,20 @@ class PartitionDiscovery:
         """The partitions whose holder is live, in order."""
         live = client_manager.all()
         return sorted(pid for pid, proxy in self.nodes.items() if proxy.cid in live)
+
+    def unavailable_reason(self, client_manager: ClientManager) -> str:
+        """Why no live node holds a partition: how many nodes are connected and the commonest things
+        their queries said (a failure's own line, a refusal, a claim not believed)."""
+        live, registry = sorted(client_manager.all()), self.registry
+        if not live:
+            return "No node is connected"
+        said = Counter(
+            registry.failures.get(node) or registry.refused.get(node)
+            or (registry.problem(registry.claims[node]) if node in registry.claims else None)
+            or ("its partition is claimed by another node too" if node in registry.claims else "no answer")
+            for node in live
+        )
+        return f"{len(live)} nodes connected: " + "; ".join(f"{reason} ({count})" for reason, count in said.most_common(3))
 
     def state_rounds(self) -> dict[int, int | None]:
         """Partition id -> the round of the newest state its holder said it holds (None: not said)."""

@@ -58,7 +58,6 @@ from protofl.federation.admission import (
     Admission,
     ClientUpdate,
     client_compute,
-    describe_failure,
     output_problem,
     stacked_statistics,
     too_few_updates,
@@ -71,6 +70,7 @@ from protofl.federation.wire import (
     EVALUATE_ROUND,
     TRAIN_LOSS,
     PayloadError,
+    describe_failure,
     encode_array,
     parameters_bytes,
     payload_bytes,
@@ -233,7 +233,8 @@ class PrototypeStrategy(Strategy):
             raise RunStopped(lost_state)
         available = self.discovery.available(client_manager)
         if not available:
-            raise RunStopped(f"round {server_round}: no client reported a partition id; cannot sample clients")
+            raise RunStopped(f"round {server_round}: no client reported a partition id; cannot sample clients. "
+                             f"{self.discovery.unavailable_reason(client_manager)}")
         s, nodes = self.settings, self.discovery.nodes
         self.sampled = sample_partitions(available, s.fraction_fit, s.min_fit_clients, s.seed, server_round)
         self.admission.asked = {nodes[p].cid: p for p in self.sampled}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -84,6 +85,26 @@ def rejection_reason(err: BaseException | str, limit: int = 300) -> str:
         err = str(err) if isinstance(err, PayloadError) else f"{type(err).__name__}: {err}"
     text = str(err)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# how Flower's legacy strategies see a ClientApp's error reply, and how Ray wraps the exception
+_ERROR_REPLY = re.compile(r"Message contains an Error \(reason: (.*)\)\. It originated during client-side execution",
+                          re.S)
+_CAUSE = "\nThe above exception was the direct cause of the following exception:"
+
+
+def describe_failure(failure: Any) -> str:
+    """A failed message (an exception, or a reply with an error status) in one line: for an error
+    reply, the client's own exception line, without the tracebacks a Ray simulation wraps it in."""
+    if not isinstance(failure, BaseException):
+        _, res = failure
+        return f"status {res.status.code}: {res.status.message}"
+    text = str(failure)
+    if match := _ERROR_REPLY.search(text):
+        text = match.group(1).split(_CAUSE)[0]  # Ray: the client's traceback, then the actor's
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return f"client error: {lines[-1] if lines else text}"[:1000]
+    return f"{type(failure).__name__}: {text}"
 
 
 @dataclass(frozen=True)
