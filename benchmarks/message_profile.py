@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import datetime
 import cProfile
+import datetime
 import json
 import pstats
 import sys
@@ -40,9 +40,9 @@ from inprocess import InProcessProxy, run_in_process  # noqa: E402
 from protofl import client_app  # noqa: E402
 from protofl.federation import client as client_module  # noqa: E402
 from protofl.federation.client_state import ClientStateStore  # noqa: E402
-from protofl.task import storage  # noqa: E402
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
 from protofl.strategies import get_method  # noqa: E402
+from protofl.task import storage  # noqa: E402
 
 PHASES = {  # name: (object, attribute) wrapped; None: the method's client class
     "message": (InProcessProxy, "_call"),
@@ -101,12 +101,12 @@ def main() -> int:
         patches.enter_context(mock.patch.object(owner, attribute, timed(name, original, current)))
     if args.no_fsync:
         patches.enter_context(mock.patch.object(storage.os, "fsync", lambda fd: None))
-    original_round = InProcessProxy._call
+    original_message = InProcessProxy._call
     messages = {"count": 0}
     profiler = cProfile.Profile() if args.cprofile else None
     traced: list[torch.profiler.profile] = []
 
-    def per_round(self, kind, ins):  # a new round starts with each node's first fit
+    def each_message(self, kind, ins):  # every num_nodes-th fit message starts a round
         if kind == "fit":
             messages["count"] += 1
             if messages["count"] % args.num_nodes == 1 or args.num_nodes == 1:
@@ -119,10 +119,10 @@ def main() -> int:
                 activities = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                 with torch.profiler.profile(activities=activities) as tracer:
-                    reply = original_round(self, kind, ins)
+                    reply = original_message(self, kind, ins)
                 traced.append(tracer)
             else:
-                reply = original_round(self, kind, ins)
+                reply = original_message(self, kind, ins)
         finally:
             if profiler:
                 profiler.disable()
@@ -133,7 +133,7 @@ def main() -> int:
         return reply
 
     t0 = time.perf_counter()
-    with patches, mock.patch.object(InProcessProxy, "_call", per_round):
+    with patches, mock.patch.object(InProcessProxy, "_call", each_message):
         run_in_process(run_config, num_nodes=args.num_nodes, one_at_a_time=True)
     wall = time.perf_counter() - t0
     if profiler:
