@@ -306,7 +306,7 @@ def serverapp_fault(home: Path, deployment: Deployment) -> None:
     # a fresh container for partition 0's ClientApps: the state it continues from is on its volume only
     deployment("up", "-d", "--no-deps", "--force-recreate", "superexec-clientapp-1", timeout=300)
     listed = deployment.exec("superexec-clientapp-1", "ls", f"/app/client-state/{name}/partition-0")
-    if not re.search(r"round-\d+\.\w+\.npz", listed.stdout):
+    if not re.search(r"round-\d+\.\w+\.state", listed.stdout):
         sys.exit(f"the re-created superexec-clientapp-1 holds no state of {name} in /app/client-state:\n"
                  f"{listed.stdout}{listed.stderr}")
     interrupted = time.monotonic()

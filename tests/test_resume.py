@@ -149,7 +149,7 @@ def test_a_replayed_round_reads_the_state_from_before_it_and_old_versions_go(tmp
     assert store.load("run", "ab", before=1) == {}  # before its first round: nothing
     assert store.load("run", "ab", before=None)["w"][0] == 3.0
     assert store.load("run", "cd", before=None) == {}  # another run's token: not this run's state
-    (folder / ".round-4.ab.npz.x.tmp").write_bytes(b"partial")
+    (folder / ".round-4.ab.state.x.tmp").write_bytes(b"partial")
     store.save("run", "ab", 4, {"w": np.full(2, 4.0)}, needed_from=3)  # checkpoint at 3: 1 and 2 go
     assert sorted(p.name for p in folder.iterdir()) == ["round-3.ab.state", "round-4.ab.state"]
     store.save("run", "ef", 1, {"w": np.zeros(2)}, needed_from=0)  # a fresh run replaces the old one's
