@@ -40,10 +40,10 @@ from flwr.common import Context, FitIns, ndarrays_to_parameters  # noqa: E402
 from protofl.client_app import make_client_fn  # noqa: E402
 from protofl.federation import client_state  # noqa: E402
 from protofl.federation.wire import round_config  # noqa: E402
+from protofl.settings import default_run_config, parse_overrides  # noqa: E402
 from protofl.task import storage  # noqa: E402
 from protofl.task.models import build_model  # noqa: E402
 from protofl.task.weights import all_tensors  # noqa: E402
-from protofl.settings import default_run_config, parse_overrides  # noqa: E402
 
 
 def measure(model: str, args: argparse.Namespace) -> dict:
@@ -92,7 +92,8 @@ def measure(model: str, args: argparse.Namespace) -> dict:
 
 
 def format_timings(model: str, repeats: int) -> dict:
-    arrays = {name: t.detach().to("cpu", copy=True).numpy() for name, t in all_tensors(build_model(model, 3, 10, 32, 0)).items()}
+    tensors = all_tensors(build_model(model, 3, 10, 32, 0))  # CIFAR-10's shapes
+    arrays = {name: t.detach().to("cpu", copy=True).numpy() for name, t in tensors.items()}
     formats = {  # name: (write, read)
         "npz": (lambda p: storage.atomic_write(p, storage.arrays_to_bytes(arrays)),
                 lambda p: storage.arrays_from_bytes(p.read_bytes())),

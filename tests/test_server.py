@@ -249,7 +249,8 @@ def test_a_run_whose_every_node_fails_discovery_stops_naming_what_the_nodes_said
 
     class NoData(InProcessProxy):
         def get_properties(self, ins, timeout, group_id):
-            raise ray_error_reply("FileNotFoundError: data-dir /data/x does not exist", "data-dir /data/x does not exist")
+            raise ray_error_reply("FileNotFoundError: data-dir /data/x does not exist",
+                                  "data-dir /data/x does not exist")
 
     run_config = {"method": "fedavg", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "run"}
     run_in_process(run_config, num_nodes=2, node_class=lambda p: NoData)

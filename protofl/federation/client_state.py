@@ -3,8 +3,8 @@
 :class:`ClientStateStore`: named arrays (a personal model, FedSA's margin, ...) per
 partition, a file per round that the partition trained in,
 ``<state dir>/<run name>/partition-<id>/round-<r>.<run token>.state`` (an array blob,
-:func:`protofl.task.storage.arrays_from_blob`; ``.npz`` files of earlier versions are read too). The state dir is the node's
-``state-dir`` (node config), else the run config's, else the one the server names in its
+:func:`protofl.task.storage.arrays_from_blob`; ``.npz`` files of earlier versions are read too).
+The state dir is the node's ``state-dir`` (node config), else the run config's, else the one the server names in its
 instructions in simulation (``<run directory>/client-state``), else, in a deployment,
 ``$FLWR_HOME/protofl-state`` (``~/.flwr/protofl-state``) of the process that runs the ClientApp;
 a default one is created 0700. ``state-dir = "memory"`` keeps one blob in Flower's

@@ -250,7 +250,8 @@ class PartitionDiscovery:
             or ("its partition is claimed by another node too" if node in registry.claims else "no answer")
             for node in live
         )
-        return f"{len(live)} nodes connected: " + "; ".join(f"{reason} ({count})" for reason, count in said.most_common(3))
+        nodes = f"{len(live)} node{'s' if len(live) > 1 else ''} connected: "
+        return nodes + "; ".join(f"{reason} ({count})" for reason, count in said.most_common(3))
 
     def state_rounds(self) -> dict[int, int | None]:
         """Partition id -> the round of the newest state its holder said it holds (None: not said)."""

@@ -103,20 +103,20 @@ def arrays_from_blob(data: bytes | bytearray) -> dict[str, np.ndarray]:
     if bytes(data[:len(BLOB_MAGIC)]) != BLOB_MAGIC or len(data) < start:
         raise ValueError("not an array blob")
     base = start + int.from_bytes(data[len(BLOB_MAGIC):start], "little")
+    if base > len(data):
+        raise ValueError("a damaged array blob header")
     try:
         header = json.loads(bytes(data[start:base]))
         arrays = {}
         for name, dtype, shape, offset in header:
             dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
             count = math.prod(shape)
-            if (not isinstance(name, str) or name in arrays or dtype.kind not in _BLOB_KINDS or min(shape, default=0) < 0
-                    or offset < 0 or base + offset + count * dtype.itemsize > len(data)):
+            if (not isinstance(name, str) or name in arrays or dtype.kind not in _BLOB_KINDS
+                    or min(shape, default=0) < 0 or offset < 0 or base + offset + count * dtype.itemsize > len(data)):
                 raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}, offset {offset} in {len(data)} bytes")
             arrays[name] = np.frombuffer(data, dtype, count, base + offset).reshape(shape)
     except (TypeError, OverflowError, json.JSONDecodeError) as err:
         raise ValueError(f"a damaged array blob header: {err}") from err
-    if base > len(data):
-        raise ValueError("a damaged array blob header")
     return arrays
 
 
