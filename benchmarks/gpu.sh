@@ -9,6 +9,7 @@
 #   fedproto:   FedProto with tv-resnet18 beside PFLlib's, same data (benchmarks/pfllib_fedproto.sh)
 #   profile:    where a FedProto client message's time goes (benchmarks/message_profile.py): tv-resnet18 on
 #               the PFLlib comparison's data, 20 clients one after the other in one process, batch 64 and 10
+#               (without that data in $DATA it makes it: .pfllib/ must be carried, as for fedproto)
 #   sweep:      every backbone at batch 64, fp32 eager against bf16 captured, NCHW and channels-last
 # Usage: OUT=<folder> bash benchmarks/gpu.sh [tests|throughput|fedproto|profile|sweep|all]  (tables and logs under $OUT)
 set -uo pipefail
