@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements of docs/results/gpu.md on a CUDA machine, from the project root:
-#   tests:      pytest -m gpu tests/test_capture.py (captured steps, kept across clients, against eager ones)
+#   tests:      pytest -m gpu tests/test_capture.py tests/test_training_worker.py (captured steps, kept across
+#               clients, against eager ones; clients captured at once in a training worker against one at a time)
 #   throughput: tv-resnet18 (batch 64 and 10), the CIFAR ResNet-18 and the CNN (batch 64) on CIFAR-10's
 #               shapes, fp32 eager against the defaults; tv-resnet18 at batch 64 again with every
 #               client capturing its own step (--kept-steps 0), and 1, 2, 4 clients in flight at
@@ -33,7 +34,7 @@ measure() {  # batch size, clients, data fraction, rounds, models, extra argumen
   done
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -m gpu tests/test_capture.py -q -p no:cacheprovider --durations=12 \
+  timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -m gpu tests/test_capture.py tests/test_training_worker.py -q -p no:cacheprovider --durations=12 \
     > "$OUT/gpu-tests.txt" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu-tests.txt"; grep -E "passed|failed|error|exit|Fatal|Error" "$OUT/gpu-tests.txt" | head -20
 fi

@@ -20,6 +20,8 @@
 #   pro10     ~85 s  protofl defaults, batch 10, PRO10_ROUNDS=2 rounds
 #   pro64fp32, pro10fp32 (not in the default list, ~75 / ~100 s): the same with
 #                    cuda-graphs='off' amp='off' channels-last=false (the old float32 eager steps)
+#   pro64k<K>, pro10k<K> (not in the default list, e.g. pro64k4): the defaults with clients-in-flight=K,
+#                    each GPU's clients trained K at a time in one training worker (the 10 ClientApps forward)
 # Per-step limits (seconds, ~1.5x the expected): T_DATA=60, T_PFL64=75, T_PFL10=120, T_PRO64=120,
 # T_PRO10=130 (150 for pro10fp32): ~505 s at most; give the device command timeout_s >= 540.
 # "protofl defaults": FedProto's default options (prototypes from an eval pass after training,
@@ -186,6 +188,8 @@ for step in $STEPS; do
     pro10)     run_protofl pro10 10 "${PRO10_ROUNDS:-2}" "${T_PRO10:-130}" "" ;;
     pro64fp32) run_protofl pro64fp32 64 "${PRO64_ROUNDS:-3}" "${T_PRO64:-120}" "$FP32" ;;
     pro10fp32) run_protofl pro10fp32 10 "${PRO10_ROUNDS:-2}" "${T_PRO10:-150}" "$FP32" ;;
+    pro64k*)   run_protofl "$step" 64 "${PRO64_ROUNDS:-3}" "${T_PRO64:-120}" "clients-in-flight=${step#pro64k}" ;;
+    pro10k*)   run_protofl "$step" 10 "${PRO10_ROUNDS:-2}" "${T_PRO10:-130}" "clients-in-flight=${step#pro10k}" ;;
     *) echo "unknown step $step" ;;
   esac
 done

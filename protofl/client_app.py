@@ -20,6 +20,10 @@ The node's ``--node-config`` (in simulation: Flower's own) names the node's data
   in simulation and ``$FLWR_HOME/protofl-state`` (else ``~/.flwr/protofl-state``) of the process
   that runs the ClientApp in a deployment; ``"memory"``: Flower's in-memory ``context.state``,
   lost when the node restarts (see :mod:`protofl.federation.checkpoint`).
+
+With the run config's ``clients-in-flight`` above 1, in a Ray simulation, a ClientApp forwards its
+messages to its GPU's training worker (:mod:`protofl.federation.training_worker`), which builds the
+same client.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from logging import INFO
 from typing import Any, Callable, Mapping
 
 import torch
-from flwr.client import Client, ClientApp
+from flwr.client import Client, ClientApp, NumPyClient
 from flwr.common import Context, Message
 from flwr.common.logger import log
 
 from protofl.federation.client_state import ClientStateStore
+from protofl.federation.training_worker import WorkerProxy, training_worker_for
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
@@ -50,23 +55,33 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
     """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty)."""
 
     def client_fn(context: Context) -> Client:
-        settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
-        # the run config's data-dir is the server's path: this node reads the data set (its
-        # partition and the global test set) from its own
-        settings = dataclasses.replace(settings, data_dir=str(context.node_config.get("data-dir", settings.data_dir)))
-        use_threads(context.node_config)
-        device = get_device()
-        data = node_data(settings, context.node_config, str(device))
-        model = worker_model(settings, data, str(context.node_config.get("model", "")) or None)
-        _, client_class = get_method(settings.method)
-        num_partitions = int(context.node_config["num-partitions"])
-        state_dir = str(context.node_config.get("state-dir", settings.state_dir))
-        store = ClientStateStore(context.state, data.partition_id, state_dir)
-        client = client_class(settings, data, model, num_partitions, store)
-        announce(client.precision, device, model)
-        return client.to_client()
+        config = run_config if run_config is not None else context.run_config
+        submit = training_worker_for(config, context.node_config, context.run_id, build_client)
+        if submit is not None:  # clients-in-flight: its GPU's training worker trains it
+            return WorkerProxy(submit).to_client()
+        return build_client(config, context.node_config, context.state).to_client()
 
     return client_fn
+
+
+def build_client(run_config: Mapping[str, Any], node_config: Mapping[str, Any], state: Any) -> NumPyClient:
+    """The configured method's client of this node's partition (``state``: the node's
+    ``context.state``, read with ``state-dir = "memory"`` only)."""
+    settings = ExperimentSettings.from_run_config(run_config)
+    # the run config's data-dir is the server's path: this node reads the data set (its
+    # partition and the global test set) from its own
+    settings = dataclasses.replace(settings, data_dir=str(node_config.get("data-dir", settings.data_dir)))
+    use_threads(node_config)
+    device = get_device()
+    data = node_data(settings, node_config, str(device))
+    model = worker_model(settings, data, str(node_config.get("model", "")) or None)
+    _, client_class = get_method(settings.method)
+    num_partitions = int(node_config["num-partitions"])
+    state_dir = str(node_config.get("state-dir", settings.state_dir))
+    store = ClientStateStore(state, data.partition_id, state_dir)
+    client = client_class(settings, data, model, num_partitions, store)
+    announce(client.precision, device, model)
+    return client
 
 
 class _WorkerModel:
@@ -115,8 +130,13 @@ def release_worker_models(message: Message, context: Context,
     try:
         return call_next(message, context)
     finally:
-        for kept in getattr(_worker_models, "models", {}).values():
-            kept.in_use = False
+        release_thread_models()
+
+
+def release_thread_models() -> None:
+    """This thread's models are free for its next message."""
+    for kept in getattr(_worker_models, "models", {}).values():
+        kept.in_use = False
 
 
 def use_threads(node_config: Mapping[str, Any]) -> None:

@@ -39,9 +39,10 @@ EvaluationMessage = Literal["fit", "evaluate"]
 Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval, accept clients
-# that lost their state, track it elsewhere (a tracker new to the run gets every round).
+# that lost their state, track it elsewhere (a tracker new to the run gets every round), train
+# more or fewer clients at once (the same numbers).
 RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients",
-                       "tracker", "mlflow_uri"})
+                       "tracker", "mlflow_uri", "clients_in_flight"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -226,6 +227,7 @@ class ExperimentSettings:
     amp: Amp = "auto"
     channels_last: ChannelsLast = "auto"
     cuda_graphs: CudaGraphs = "auto"
+    clients_in_flight: int = 0  # > 1: a training worker per GPU (protofl.federation.training_worker)
     model: str = "cnn"
     seed: int = 0
     partition_seed: int = 0
@@ -289,6 +291,8 @@ class ExperimentSettings:
             raise ValueError(f"lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.max_grad_norm != "auto" and self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:
             raise ValueError("max-grad-norm and global-test-pm-per-class must be >= 0")
+        if self.clients_in_flight < 0:
+            raise ValueError(f"clients-in-flight must be >= 0, got {self.clients_in_flight}")
         if self.num_partitions < 0 or self.screen_factor < 0 or self.dp_clip < 0 or self.dp_noise < 0:
             raise ValueError("num-partitions, screen-factor, dp-clip and dp-noise must be >= 0")
         if not 0.0 <= self.trim_fraction < 0.5:

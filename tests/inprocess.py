@@ -55,11 +55,11 @@ class InProcessProxy(ClientProxy):
         return None
 
 
-def run_in_process(run_config, num_nodes=3, node_class=None, plot=False, one_at_a_time=False):
+def run_in_process(run_config, num_nodes=3, node_class=None, plot=False, one_at_a_time=None):
     """(the strategy after the run, [(kind, instruction, reply), ...] of every message).
     ``node_class(partition_id)``, when given, is the proxy class of that node (e.g. a hostile client);
     ``plot``: draw accuracy.png at the end, as every real run does (otherwise it is not written);
-    ``one_at_a_time``: the clients one after the other on one thread, as on a GPU (always there)."""
+    ``one_at_a_time``: the clients one after the other on one thread, as on a GPU (None: only there)."""
     threads = torch.get_num_threads()
     # one torch thread per client, as a Ray simulation gives each (client-resources-num-cpus=1): the
     # clients train at once on Flower's thread pool, and each calling thread with more than one
@@ -98,7 +98,7 @@ def _run(run_config, num_nodes, node_class, one_at_a_time):
         context = Context(run_id=1, node_id=100 + p, node_config=node_config, state=RecordDict(), run_config={})
         proxy = (node_class(p) if node_class else InProcessProxy)(str(1000 + p), client_fn, context, messages)
         server.client_manager().register(proxy)
-    if one_at_a_time or torch.cuda.is_available():
+    if one_at_a_time or one_at_a_time is None and torch.cuda.is_available():
         # one client at a time on a GPU, as a Ray actor or a SuperNode runs them: CUDA work on other
         # threads while one captures its training step broke the capture (cuDNN internal errors)
         server.set_max_workers(1)

@@ -46,7 +46,7 @@ def in_process(tmp_path, name, **overrides):
     return json.loads((tmp_path / name / "results.json").read_text())
 
 
-def test_fedavg_learns_writes_schema_and_is_reproducible(tmp_path):
+def test_fedavg_learns_writes_schema_and_is_reproducible_through_a_training_worker(tmp_path):
     first = simulate(tmp_path, "a", method="fedavg", **{"fraction-fit": 0.67})
     rounds = first["rounds"]
     assert [r["round"] for r in rounds] == [1, 2]
@@ -63,11 +63,14 @@ def test_fedavg_learns_writes_schema_and_is_reproducible(tmp_path):
     for name in ("metrics.csv", "accuracy.png"):
         assert (tmp_path / "a" / name).stat().st_size > 0
 
-    # same seed again: same partitions and sampled clients, and the same metrics in every round
-    second = simulate(tmp_path, "b", method="fedavg", **{"fraction-fit": 0.67})
-    for again, before in zip(second["rounds"], rounds):
+    # same seed again, the clients trained two at a time in one training worker: same partitions and
+    # sampled clients, and the same metrics in every round
+    second = simulate(tmp_path, "b", method="fedavg", **{"fraction-fit": 0.67, "clients-in-flight": 2})
+    for again, before in zip(second["rounds"], rounds, strict=True):
         for key in ("clients", "train_loss", "global_accuracy", "personalized_accuracy", "personalized_std"):
             assert again[key] == before[key], key
+    assert {c.get("clients_in_flight") for c in first["client_compute"].values()} == {None}
+    assert {c.get("clients_in_flight") for c in second["client_compute"].values()} == {2}
 
 
 def test_fedproto_exchanges_prototypes_and_personalizes(tmp_path):

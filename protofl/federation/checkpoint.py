@@ -301,8 +301,8 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
     if conflicts:
         raise ValueError(
             f"resume=true: the run config differs from the checkpoint's in {', '.join(conflicts)}; only "
-            "num-server-rounds, checkpoint-every, resume-fresh-clients, tracker and mlflow-uri may change when a run "
-            "resumes"
+            "num-server-rounds, checkpoint-every, resume-fresh-clients, tracker, mlflow-uri and clients-in-flight may "
+            "change when a run resumes"
         )
     if checkpoint.server_round >= settings.num_server_rounds:
         raise ValueError(

@@ -4,9 +4,10 @@ record: sums kept on the device, which a replay updates without the host."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import warnings
-from typing import Any, Callable, Hashable, Literal, Protocol, Sequence, get_args
+from typing import Any, Callable, Hashable, Iterator, Literal, Protocol, Sequence, get_args
 
 import torch
 
@@ -31,7 +32,55 @@ def resolve_cuda_graphs(cuda_graphs: CudaGraphs, device: torch.device) -> Litera
 
 
 _uncapturable: set[str] = set()  # why captures failed, each logged once per process
-_capturing = threading.Lock()
+
+
+class CaptureGate:
+    """Keeps a capture alone in its process: :meth:`capture` waits until no other thread is inside
+    :meth:`work` (a client's message, where a training worker runs several at once), and new work
+    waits while a capture is waiting or running. CUDA work on other threads during a capture can
+    break it (cuDNN internal errors were seen), whatever the capture's error mode. A thread that
+    captures inside its own work lets it count as paused meanwhile."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._working = 0  # threads inside work()
+        self._captures = 0  # captures waiting or running
+        self._capturing = False
+        self._inside = threading.local()
+
+    @contextlib.contextmanager
+    def work(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._captures)
+            self._working += 1
+        self._inside.work = True
+        try:
+            yield
+        finally:
+            self._inside.work = False
+            with self._changed:
+                self._working -= 1
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        paused = getattr(self._inside, "work", False)
+        with self._changed:
+            self._working -= paused
+            self._captures += 1
+            self._changed.wait_for(lambda: not self._working and not self._capturing)
+            self._capturing = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._capturing = False
+                self._captures -= 1
+                self._working += paused
+                self._changed.notify_all()
+
+
+CAPTURE_GATE = CaptureGate()  # this process's
 
 
 class CapturedStep:
@@ -44,8 +93,8 @@ class CapturedStep:
     the momentum buffers are set up lazily). What ``step`` computes from Python state must not
     change between calls (the graph holds what it was at the capture), and it must not wait for
     the host (a synchronising call fails the capture: the step then runs eagerly, and the reason is
-    logged once per process). One client trains at a time per process and GPU, as Ray actors and
-    SuperNodes run them: CUDA work on other threads during a capture can break it.
+    logged once per process). The capture waits for the process's other clients' work
+    (:data:`CAPTURE_GATE`): CUDA work on other threads during a capture can break it.
     ``static=True``: the same code without a graph (any device), each call running ``step`` on the
     static tensors.
     """
@@ -86,9 +135,9 @@ class CapturedStep:
         """Capture the step on the static tensors (nothing runs yet); False when it cannot be."""
         graph = torch.cuda.CUDAGraph()
         try:
-            # a stream of its own (torch.cuda.graph's default is one per process) and one capture at
-            # a time; thread_local: clients on other threads of this process may use CUDA meanwhile
-            with _capturing, torch.cuda.graph(graph, stream=torch.cuda.Stream(self.inputs.device),
+            # a stream of its own (torch.cuda.graph's default is one per process), alone in the
+            # process (CAPTURE_GATE); thread_local: other threads' host work may use CUDA's API
+            with CAPTURE_GATE.capture(), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.inputs.device),
                                               capture_error_mode="thread_local"):
                 self.step(self.inputs, self.labels)
         except RuntimeError as error:
