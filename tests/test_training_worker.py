@@ -9,6 +9,7 @@ import sys
 import threading
 
 import pytest
+import torch
 from flwr.client import NumPyClient
 from inprocess import InProcessProxy, run_in_process
 from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
@@ -106,9 +107,8 @@ def one_at_a_time_and_at_once(tmp_path, run_config):
     plain = run_config | {"output-dir": str(tmp_path), "run-name": "plain"}
     run_in_process(plain, one_at_a_time=True)
     forwarded = run_config | {"output-dir": str(tmp_path), "run-name": "worker", "clients-in-flight": 3}
-    in_flight = []
-    run_in_process(forwarded, node_class=through_a_worker(TrainingWorker(build_client, None, 1, 3), forwarded, in_flight),
-                   one_at_a_time=False)
+    in_flight, worker = [], TrainingWorker(build_client, None, torch.get_num_threads(), 3)
+    run_in_process(forwarded, node_class=through_a_worker(worker, forwarded, in_flight), one_at_a_time=False)
     return *(json.loads((tmp_path / name / "results.json").read_text()) for name in ("plain", "worker")), max(in_flight)
 
 
@@ -183,7 +183,8 @@ def test_no_worker_without_ray_with_memory_state_or_one_client_in_flight(caplog,
         monkeypatch.delitem(sys.modules, "ray", raising=False)
     with caplog.at_level(logging.INFO):
         for _ in range(2):
-            assert training_worker_for(RUN_CONFIG | run_config, node_config | {"num-partitions": 2}, 1, build_client) is None
+            node = node_config | {"num-partitions": 2}
+            assert training_worker_for(RUN_CONFIG | run_config, node, 1, build_client) is None
     said = [r.getMessage() for r in caplog.records if "clients-in-flight" in r.getMessage()]
     assert len(said) == (1 if why else 0)  # once per process
     assert all(why in line for line in said)
@@ -216,7 +217,8 @@ def test_the_worker_sees_the_gpu_of_the_client_apps_that_made_it_though_ray_hide
     @ray.remote(num_cpus=0, num_gpus=0.5)
     class ClientAppOnAGPU:  # a ClientApp actor of Flower's pool, with half the pretend GPU
         def forwarded(self):
-            submit = training_worker_for(RUN_CONFIG | {"clients-in-flight": 2}, {"num-partitions": 2}, 7, shows_its_gpus)
+            config = RUN_CONFIG | {"clients-in-flight": 2}
+            submit = training_worker_for(config, {"num-partitions": 2}, 7, shows_its_gpus)
             return os.environ.get("CUDA_VISIBLE_DEVICES"), submit("get_properties", {})
 
     @ray.remote(num_cpus=0, num_gpus=0)
