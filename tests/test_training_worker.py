@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from flwr.client import NumPyClient
-from inprocess import InProcessProxy, run_in_process
+from inprocess import InProcessProxy, methods_fast_for, run_in_process
 from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
 
 from protofl.client_app import build_client
@@ -120,8 +120,9 @@ def assert_same_results(one_at_a_time, at_once):
     assert all("clients_in_flight" not in c for c in one_at_a_time["client_compute"].values())
 
 
-def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time(tmp_path):
-    one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(tmp_path, RUN_CONFIG)
+@pytest.mark.parametrize("method", methods_fast_for("fedproto"))
+def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time(tmp_path, method):
+    one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(tmp_path, RUN_CONFIG | {"method": method})
     assert_same_results(one_at_a_time, at_once)
     assert most_in_flight > 1
 
