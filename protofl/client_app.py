@@ -55,19 +55,18 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
     """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty)."""
 
     def client_fn(context: Context) -> Client:
-        config = run_config if run_config is not None else context.run_config
-        submit = training_worker_for(config, context.node_config, context.run_id, build_client)
+        settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
+        submit = training_worker_for(settings, context.node_config, context.run_id, build_client)
         if submit is not None:  # clients-in-flight: its GPU's training worker trains it
             return WorkerProxy(submit).to_client()
-        return build_client(config, context.node_config, context.state).to_client()
+        return build_client(settings, context.node_config, context.state).to_client()
 
     return client_fn
 
 
-def build_client(run_config: Mapping[str, Any], node_config: Mapping[str, Any], state: Any) -> NumPyClient:
+def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], state: Any) -> NumPyClient:
     """The configured method's client of this node's partition (``state``: the node's
     ``context.state``, read with ``state-dir = "memory"`` only)."""
-    settings = ExperimentSettings.from_run_config(run_config)
     # the run config's data-dir is the server's path: this node reads the data set (its
     # partition and the global test set) from its own
     settings = dataclasses.replace(settings, data_dir=str(node_config.get("data-dir", settings.data_dir)))

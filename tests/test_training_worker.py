@@ -17,6 +17,7 @@ from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
 from protofl.client_app import build_client
 from protofl.federation import training_worker
 from protofl.federation.training_worker import TrainingWorker, WorkerProxy, training_worker_for
+from protofl.settings import ExperimentSettings
 from protofl.task.capture import CaptureGate
 
 
@@ -76,7 +77,7 @@ def test_a_capture_outside_any_work_goes_at_once_and_two_captures_take_turns():
 RUN_CONFIG = {"dataset": "digits", "num-server-rounds": 2, "method": "fedproto"}
 
 
-def through_a_worker(worker, run_config, in_flight):
+def through_a_worker(worker, settings, in_flight):
     """The in-process federation's nodes, each forwarding its messages to ``worker`` from the
     thread Flower's server gives it; ``in_flight`` gets the most calls seen at once."""
     lock, inside = threading.Lock(), []
@@ -86,7 +87,7 @@ def through_a_worker(worker, run_config, in_flight):
             inside.append(1)
             in_flight.append(len(inside))
         try:
-            return worker.call(run_config, node_config, method, *args)
+            return worker.call(settings, node_config, method, *args)
         finally:
             with lock:
                 inside.pop()
@@ -108,7 +109,8 @@ def one_at_a_time_and_at_once(tmp_path, run_config):
     run_in_process(plain, one_at_a_time=True)
     forwarded = run_config | {"output-dir": str(tmp_path), "run-name": "worker", "clients-in-flight": 3}
     in_flight, worker = [], TrainingWorker(build_client, None, torch.get_num_threads(), 3)
-    run_in_process(forwarded, node_class=through_a_worker(worker, forwarded, in_flight), one_at_a_time=False)
+    nodes = through_a_worker(worker, ExperimentSettings.from_run_config(forwarded), in_flight)
+    run_in_process(forwarded, node_class=nodes, one_at_a_time=False)
     return *(json.loads((tmp_path / name / "results.json").read_text()) for name in ("plain", "worker")), max(in_flight)
 
 
@@ -184,8 +186,8 @@ def test_no_worker_without_ray_with_memory_state_or_one_client_in_flight(caplog,
         monkeypatch.delitem(sys.modules, "ray", raising=False)
     with caplog.at_level(logging.INFO):
         for _ in range(2):
-            node = node_config | {"num-partitions": 2}
-            assert training_worker_for(RUN_CONFIG | run_config, node, 1, build_client) is None
+            settings = ExperimentSettings.from_run_config(RUN_CONFIG | run_config)
+            assert training_worker_for(settings, node_config | {"num-partitions": 2}, 1, build_client) is None
     said = [r.getMessage() for r in caplog.records if "clients-in-flight" in r.getMessage()]
     assert len(said) == (1 if why else 0)  # once per process
     assert all(why in line for line in said)
@@ -203,7 +205,7 @@ class ShowsItsGPUs(NumPyClient):
         return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES", "unset")}
 
 
-def shows_its_gpus(run_config, node_config, state):
+def shows_its_gpus(settings, node_config, state):
     """A client that tells which GPUs its process sees."""
     return ShowsItsGPUs()
 
@@ -218,8 +220,8 @@ def test_the_worker_sees_the_gpu_of_the_client_apps_that_made_it_though_ray_hide
     @ray.remote(num_cpus=0, num_gpus=0.5)
     class ClientAppOnAGPU:  # a ClientApp actor of Flower's pool, with half the pretend GPU
         def forwarded(self):
-            config = RUN_CONFIG | {"clients-in-flight": 2}
-            submit = training_worker_for(config, {"num-partitions": 2}, 7, shows_its_gpus)
+            settings = ExperimentSettings.from_run_config(RUN_CONFIG | {"clients-in-flight": 2})
+            submit = training_worker_for(settings, {"num-partitions": 2}, 7, shows_its_gpus)
             return os.environ.get("CUDA_VISIBLE_DEVICES"), submit("get_properties", {})
 
     @ray.remote(num_cpus=0, num_gpus=0)

@@ -42,7 +42,7 @@ Submit = Callable[..., Any]  # submit(method, *args): the worker's reply to a cl
 
 class TrainingWorker:
     """Runs clients' calls (``fit``, ``evaluate``, ``get_properties``, ``get_parameters``), as
-    many at once as its callers' threads (Ray's ``max_concurrency``). ``build_client(run_config,
+    many at once as its callers' threads (Ray's ``max_concurrency``). ``build_client(settings,
     node_config, state)``: the client a ClientApp would build (:func:`protofl.client_app.build_client`);
     ``visible_devices``: the GPUs to use (``CUDA_VISIBLE_DEVICES``, which Ray empties in an actor
     that asks for no GPU), None: as this process sees them; ``threads``: torch's CPU threads."""
@@ -57,14 +57,14 @@ class TrainingWorker:
         torch.set_num_threads(threads)
         self._streams = threading.local()
 
-    def call(self, run_config: Mapping[str, Any], node_config: Mapping[str, Any], method: str, *args: Any) -> Any:
+    def call(self, settings: ExperimentSettings, node_config: Mapping[str, Any], method: str, *args: Any) -> Any:
         from protofl.client_app import release_thread_models  # the ClientApp's own kept models
 
         if method in ("fit", "evaluate"):  # Ray hands large arrays over read-only, in its object store
             args = ([np.array(array) for array in args[0]], *args[1:])
         with CAPTURE_GATE.work(), self._own_stream():
             try:
-                client = self.build_client(run_config, node_config, None)
+                client = self.build_client(settings, node_config, None)
                 reply = getattr(client, method)(*args)
             finally:
                 release_thread_models()
@@ -107,11 +107,10 @@ _not_engaged: set[str] = set()  # why not, each logged once per process
 _handles: dict[str, Any] = {}  # worker name -> Ray actor handle, this process's
 
 
-def training_worker_for(run_config: Mapping[str, Any], node_config: Mapping[str, Any], run_id: int,
+def training_worker_for(settings: ExperimentSettings, node_config: Mapping[str, Any], run_id: int,
                         build_client: Callable[..., NumPyClient]) -> Submit | None:
     """How this ClientApp submits its calls to its GPU's training worker, or None when it trains
     them itself (``clients-in-flight`` 0 or 1, no Ray simulation, a state in memory)."""
-    settings = ExperimentSettings.from_run_config(run_config)
     in_flight = settings.clients_in_flight
     if in_flight <= 1:
         return None
@@ -132,7 +131,7 @@ def training_worker_for(run_config: Mapping[str, Any], node_config: Mapping[str,
 
     def submit(method: str, *args: Any) -> Any:
         try:
-            return ray.get(handle.call.remote(dict(run_config), dict(node_config), method, *args))
+            return ray.get(handle.call.remote(settings, dict(node_config), method, *args))
         except ray.exceptions.RayTaskError as error:
             raise error.as_instanceof_cause() from None  # the client's own exception
         except ray.exceptions.RayActorError:
