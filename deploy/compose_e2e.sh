@@ -50,7 +50,13 @@ cleanup() {
   status=$?
   down last
   [ -z "$tunnel_pid" ] || kill "$tunnel_pid" 2>/dev/null || true
-  [ $status -eq 0 ] || { log "failed; the containers' logs:"; tail -n 60 "$work"/*.log 2>/dev/null || true; }
+  if [ $status -ne 0 ]; then
+    log "failed; the containers' logs:"
+    tail -n 60 "$work"/*.log 2>/dev/null || true
+    # what each SuperNode received and sent, whole: which message a node answered, and when
+    log "the SuperNodes' messages:"
+    grep -hE '^supernode-[0-9]+.*(RUN |Receiving|Sending|Ignoring|Failed|ERROR)' "$work"/*.log 2>/dev/null || true
+  fi
   rm -f deploy/build/compose-e2e-ca.crt deploy/build/compose-e2e-canary.crt
   # images this run's builds replaced (a rebuilt app image left about 14 GB behind); the current
   # ones stay, and their layers serve the next run

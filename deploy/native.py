@@ -80,7 +80,9 @@ def entry_point(service: dict[str, Any]) -> str:
     image, target = str(service.get("image", "")), service.get("build", {}).get("target")
     if target == "superlink" or image.startswith("flwr/superlink"):
         return "flower-superlink"
-    if target == "supernode" or image.startswith("flwr/supernode"):
+    if target == "supernode":  # deploy/Dockerfile's: Flower's SuperNode with protofl's fix
+        return "protofl-supernode"
+    if image.startswith("flwr/supernode"):
         return "flower-supernode"
     if target == "app" or image.startswith("flwr/superexec"):
         return "flower-superexec"

@@ -159,7 +159,7 @@ def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path, 
     assert "License-Expression: Apache-2.0" in metadata and "Classifier: Intended Audience :: Science/Research" in metadata
     for extra in ("tensorboard", "mlflow", "wandb", "tracking"):
         assert f"Provides-Extra: {extra}" in metadata
-    assert "protofl = protofl.cli:main" in entry_points
+    assert "protofl = protofl.cli:main" in entry_points and "protofl-supernode = protofl.supernode:main" in entry_points
 
     # the sdist installs (built from source) and answers
     from_sdist = fresh_venv(tmp_path / "venv-sdist")
