@@ -14,7 +14,7 @@ import protofl.task.capture as capture_module
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS, get_method
 from protofl.task.augment import make_augment
-from protofl.task.models import build_model
+from protofl.task.models import SeededDropout, build_model
 from protofl.task.capture import DeviceMeans, StepState, release_kept_steps, resolve_cuda_graphs
 from protofl.task.train import FeatureSums, train
 
@@ -60,7 +60,7 @@ def counted_calls(monkeypatch, cls, name, record):
 
 def counted_steps(monkeypatch):
     """A list that grows by the batch size per step the captured step's object runs."""
-    return counted_calls(monkeypatch, capture_module.CapturedStep, "__call__", lambda inputs, labels: len(labels))
+    return counted_calls(monkeypatch, capture_module.CapturedStep, "__call__", lambda inputs, labels, *masks: len(labels))
 
 
 @pytest.mark.parametrize("options", [
@@ -107,10 +107,10 @@ def kept_step_loads(monkeypatch):
     return counted_calls(monkeypatch, capture_module.KeptStep, "load", lambda tensors, state: len(tensors))
 
 
-def client_training(cuda_graphs, seed, n=70, lr=0.05, device="cpu"):
+def client_training(cuda_graphs, seed, n=70, lr=0.05, device="cpu", model="cnn"):
     """(weights, mean loss, training-mode feature sums, loss-part means) of one client: its own
     init and data, a loss that reads a tensor of its own, sums of the last epoch's features."""
-    net = build_model("cnn", 1, 10, 16, seed=seed).to(device)
+    net = build_model(model, 1, 10, 16, seed=seed).to(device)
     x, y = data(n, device, seed)
     target = torch.randn(10, 512, generator=torch.Generator().manual_seed(seed)).to(device)
     seen, parts = FeatureSums(10, 512, torch.device(device), skip=2), DeviceMeans()
@@ -148,6 +148,27 @@ def test_a_step_kept_from_one_client_trains_the_next_as_the_plain_loop(monkeypat
     got = client_training("static", seed=2, n=n)
     assert len(loads) == 1
     assert_same_training(got, want)
+
+
+def test_dropout_masks_are_drawn_before_the_step_and_fed_to_it_as_in_the_plain_loop(monkeypatch):
+    """tv-mobilenetv2's dropout: after a first step that draws for itself (and shows the mask's
+    shape), each step's mask is drawn from the client's dropout generator before the step and goes
+    in through the step's static buffers (a captured step cannot draw), for the first client and
+    for the next one, whose kept step belongs to the first client's model."""
+    fed = counted_calls(monkeypatch, capture_module.CapturedStep, "__call__", lambda inputs, labels, *masks: len(masks))
+    loads = kept_step_loads(monkeypatch)
+    want = {seed: client_training("off", seed=seed, model="tv-mobilenetv2") for seed in (1, 2)}
+    for seed in (1, 2):  # each checked before the next: the kept step adds to the first client's sums
+        assert_same_training(client_training("static", seed=seed, model="tv-mobilenetv2"), want[seed])
+    assert fed == [0] + [1] * 7 + [1] * 8 and len(loads) == 1
+
+
+def test_a_dropout_layer_never_draws_inside_a_capture(monkeypatch):
+    layer = SeededDropout(0.5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="feed a captured step its masks"):
+        layer(torch.ones(2, 3))
 
 
 def test_a_step_is_kept_only_for_the_same_arguments(monkeypatch):
@@ -255,7 +276,7 @@ def captures(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("model", ["cnn", "resnet18", "tv-resnet18"])
+@pytest.mark.parametrize("model", ["cnn", "resnet18", "tv-resnet18", "tv-googlenet", "tv-mobilenetv2"])
 def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, float32_on_cuda, model):
     done = captures(monkeypatch)
     options = {"momentum": 0.9, "weight_decay": 5e-4, "max_grad_norm": 10.0}
@@ -272,11 +293,12 @@ def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, float32_o
 
 @pytest.mark.gpu
 @gpu
-def test_a_step_kept_from_one_client_trains_the_next_as_the_eager_step_on_cuda(monkeypatch, float32_on_cuda):
+@pytest.mark.parametrize("model", ["cnn", "tv-mobilenetv2"])  # the latter with dropout masks fed to the step
+def test_a_step_kept_from_one_client_trains_the_next_as_the_eager_step_on_cuda(monkeypatch, float32_on_cuda, model):
     done, loads = captures(monkeypatch), kept_step_loads(monkeypatch)
-    want = client_training("off", seed=2, device="cuda")
-    client_training("auto", seed=1, device="cuda")
-    got = client_training("auto", seed=2, device="cuda")
+    want = client_training("off", seed=2, device="cuda", model=model)
+    client_training("auto", seed=1, device="cuda", model=model)
+    got = client_training("auto", seed=2, device="cuda", model=model)
     assert done == [True] and len(loads) == 1
     assert_same_training(got, want, exact=False)
 

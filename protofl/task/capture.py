@@ -84,10 +84,11 @@ CAPTURE_GATE = CaptureGate()  # this process's
 
 
 class CapturedStep:
-    """One training step for batches of one shape (``step(inputs, labels)``: forward, loss,
+    """One training step for batches of one shape (``step(inputs, labels, *masks)``: forward, loss,
     backward, clipping, the optimizer step, the loss summed on the device), captured once as a
-    CUDA graph and replayed for every later batch: each batch is copied into static input
-    tensors, and the graph updates the weights and the optimizer state in place.
+    CUDA graph and replayed for every later batch: each batch (and the dropout masks drawn for
+    it) is copied into static input tensors, and the graph updates the weights and the optimizer
+    state in place.
 
     The first :data:`CAPTURE_WARMUP_STEPS` calls run eagerly on a side stream (CUDA libraries and
     the momentum buffers are set up lazily). What ``step`` computes from Python state must not
@@ -99,37 +100,37 @@ class CapturedStep:
     static tensors.
     """
 
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], None], static: bool = False) -> None:
+    def __init__(self, step: Callable[..., None], static: bool = False) -> None:
         self.step, self.static = step, static
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: torch.Tensor | None = None
-        self.labels: torch.Tensor | None = None
+        self.tensors: list[torch.Tensor] | None = None  # the static inputs, labels, masks
         self.eager = False  # the capture failed
 
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def __call__(self, *tensors: torch.Tensor) -> None:
         self.calls += 1
         if self.eager:
-            return self.step(inputs, labels)
+            return self.step(*tensors)
         if not self.static and self.calls <= CAPTURE_WARMUP_STEPS:
-            return self._on_side_stream(inputs, labels)
-        if self.inputs is None:
-            self.inputs, self.labels = inputs.clone(), labels.clone()  # keeps the memory format
+            return self._on_side_stream(tensors)
+        if self.tensors is None or (self.graph is None and len(self.tensors) != len(tensors)):
+            self.tensors = [t.clone() for t in tensors]  # keeps the memory format
         else:
-            self.inputs.copy_(inputs)
-            self.labels.copy_(labels)
+            for static, tensor in zip(self.tensors, tensors, strict=True):
+                static.copy_(tensor)
         if self.static:
-            return self.step(self.inputs, self.labels)
+            return self.step(*self.tensors)
         if self.graph is None and not self._capture():
-            return self.step(inputs, labels)
+            return self.step(*tensors)
         self.graph.replay()
 
-    def _on_side_stream(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        side = torch.cuda.Stream(inputs.device)
-        side.wait_stream(torch.cuda.current_stream(inputs.device))
+    def _on_side_stream(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        device = tensors[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self.step(inputs, labels)
-        torch.cuda.current_stream(inputs.device).wait_stream(side)
+            self.step(*tensors)
+        torch.cuda.current_stream(device).wait_stream(side)
 
     def _capture(self) -> bool:
         """Capture the step on the static tensors (nothing runs yet); False when it cannot be."""
@@ -137,9 +138,9 @@ class CapturedStep:
         try:
             # a stream of its own (torch.cuda.graph's default is one per process), alone in the
             # process (CAPTURE_GATE); thread_local: other threads' host work may use CUDA's API
-            with CAPTURE_GATE.capture(), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.inputs.device),
+            with CAPTURE_GATE.capture(), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.tensors[0].device),
                                               capture_error_mode="thread_local"):
-                self.step(self.inputs, self.labels)
+                self.step(*self.tensors)
         except RuntimeError as error:
             self.eager = True
             reason = str(error).splitlines()[0]
@@ -154,7 +155,7 @@ class CapturedStep:
     def release(self) -> None:
         """Free the graph, then its static tensors (a graph must never outlive what it reads)."""
         self.graph = None
-        self.inputs = self.labels = None
+        self.tensors = None
 
 
 class DeviceMeans:

@@ -161,19 +161,29 @@ class FeaturePool(nn.Module):
 class SeededDropout(nn.Module):
     """``nn.Dropout(p)`` whose masks come from its own CPU generator, which :func:`seed_dropout`
     seeds from the client's seed before training, not from torch's global one: a client's masks
-    are the same on any thread, process or node (and on CUDA a step that draws them is not
-    captured: a replay would reuse its first mask)."""
+    are the same on any thread, process or node. A captured step cannot draw (a replay would reuse
+    its first masks): the training loop draws each step's mask beforehand with :meth:`draw`, the same
+    draw, and the step feeds it to the layer (``fed``) from its static buffers."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
         self.p = p
         self.generator = torch.Generator()
+        self.sample_shape: torch.Size | None = None  # of one sample of the last training input
+        self.fed: torch.Tensor | None = None  # this step's mask, drawn before the step
+
+    def draw(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The next mask for an input of ``shape``, on ``device``."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("SeededDropout draws on the host: feed a captured step its masks")
+        return drawn_to(torch.rand(shape, generator=self.generator) >= self.p, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        kept = torch.rand(x.shape, generator=self.generator) >= self.p
-        return x * drawn_to(kept, x.device) / (1 - self.p)
+        self.sample_shape = x.shape[1:]
+        kept = self.fed if self.fed is not None else self.draw(x.shape, x.device)
+        return x * kept / (1 - self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -193,9 +203,9 @@ def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
             layer.generator.manual_seed(int(torch.randint(2**62, (), generator=generator)))
 
 
-def draws_dropout(model: nn.Module) -> bool:
-    """Whether ``model`` has a :class:`SeededDropout`."""
-    return any(isinstance(m, SeededDropout) for m in model.modules())
+def host_dropouts(model: nn.Module) -> list[SeededDropout]:
+    """The :class:`SeededDropout` layers of ``model`` that draw masks (p > 0), in module order."""
+    return [m for m in model.modules() if isinstance(m, SeededDropout) and m.p > 0]
 
 
 def _new_stem(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:

@@ -23,7 +23,7 @@ from protofl.task.capture import (
     kept_step,
     resolve_cuda_graphs,
 )
-from protofl.task.models import draws_dropout, seed_dropout
+from protofl.task.models import host_dropouts, seed_dropout
 from protofl.task.weights import all_tensors
 
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
@@ -97,7 +97,7 @@ def train(
     generator = torch.Generator().manual_seed(seed)
     n = len(y)
     seed_dropout(model, generator)
-    kind = step_kind(cuda_graphs, x.device, model)
+    kind = resolve_cuda_graphs(cuda_graphs, x.device)
     full_batches = epochs * (n // batch_size)
     if step_state is None and extra_loss is None:
         step_state = StepState()
@@ -116,6 +116,8 @@ def train(
         step, optimizer, total = _training_step(model, autocast, lr, momentum, weight_decay, max_grad_norm, extra_loss)
         captured = (CapturedStep(step, static=kind == "static")
                     if kind != "off" and full_batches > CAPTURE_WARMUP_STEPS else None)
+    dropouts = host_dropouts(model)  # this client's, seeded for it
+    fed = host_dropouts(kept.model) if kept is not None else dropouts  # the step's, which know the shapes
     steps = 0
     for _ in range(epochs):
         order = drawn_to(torch.randperm(n, generator=generator), x.device)
@@ -126,7 +128,12 @@ def train(
             inputs = x[batch] if augment is None else augment(x[batch], generator)
             if channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
-            (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch])
+            # the dropout masks go into the step as inputs (a captured step cannot draw), drawn here
+            # from this client's generators once a step has shown their shapes
+            shapes = [layer.sample_shape for layer in fed]
+            masks = ([layer.draw((len(batch), *shape), x.device) for layer, shape in zip(dropouts, shapes)]
+                     if all(shape is not None for shape in shapes) else [])
+            (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch], *masks)
             steps += 1
     mean_loss = float(total) / max(steps, 1)
     if kept is not None:
@@ -142,13 +149,24 @@ def train(
 
 def _training_step(model: nn.Module, autocast: contextlib.AbstractContextManager, lr: float, momentum: float,
                    weight_decay: float, max_grad_norm: float, extra_loss: ExtraLoss | None):
-    """(step, its optimizer, its summed loss): ``step(inputs, labels)`` trains ``model`` on one
-    batch: forward, the loss, backward, clipping, the SGD step, the loss added to the sum."""
+    """(step, its optimizer, its summed loss): ``step(inputs, labels, *masks)`` trains ``model`` on one
+    batch: forward, the loss, backward, clipping, the SGD step, the loss added to the sum; ``masks``:
+    one per drawing dropout layer (:func:`host_dropouts`), or none (the layers draw)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     total = torch.zeros((), device=next(model.parameters()).device)  # on the device: no sync per step
+    dropouts = host_dropouts(model)
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def step(inputs: torch.Tensor, labels: torch.Tensor, *masks: torch.Tensor) -> None:
+        for layer, mask in zip(dropouts, masks):
+            layer.fed = mask
+        try:
+            _step(inputs, labels)
+        finally:
+            for layer in dropouts:
+                layer.fed = None
+
+    def _step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
         with autocast:
             features, logits = model(inputs)
             loss = F.cross_entropy(logits, labels)
@@ -241,14 +259,6 @@ def _captures_on_cuda_or_cpu(device: torch.device, cuda_graphs: CudaGraphs) -> b
     return device.type != "cuda" or resolve_cuda_graphs(cuda_graphs, device) == "captured"
 
 
-def step_kind(cuda_graphs: CudaGraphs, device: torch.device, model: nn.Module | None = None) -> str:
-    """How :func:`train` runs its full batches (:func:`resolve_cuda_graphs`), except that the step of
-    a model that draws dropout masks on the host (:class:`~protofl.task.models.SeededDropout`) is
-    not captured: a replay would reuse its first masks."""
-    kind = resolve_cuda_graphs(cuda_graphs, device)
-    return "off" if kind == "captured" and model is not None and draws_dropout(model) else kind
-
-
 def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.device,
                         model: nn.Module | None = None, cuda_graphs: CudaGraphs = "auto") -> dict[str, Any]:
     """How a run with ``amp``, ``channels_last`` and ``cuda_graphs`` computes on ``device`` (logged,
@@ -265,7 +275,7 @@ def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.dev
     if model is not None:
         described["memory_format"] = ("channels-last" if uses_channels_last(model, channels_last, device, cuda_graphs)
                                       else "NCHW")
-    described["training_step"] = step_kind(cuda_graphs, device, model)
+    described["training_step"] = resolve_cuda_graphs(cuda_graphs, device)
     return described
 
 
