@@ -66,6 +66,7 @@ def test_every_flag_exists_in_the_installed_binaries(variant):
 def test_a_flag_that_does_not_exist_is_caught():
     assert "--clientappio-api-address" not in known_flags("flower-supernode")  # removed in 1.35
     assert {"--superlink", "--node-config", "--auth-supernode-private-key"} <= known_flags("flower-supernode")
+    assert known_flags("protofl-supernode") == known_flags("flower-supernode")  # the same arguments
 
 
 def test_images_match_the_installed_flower_version():

@@ -3,11 +3,8 @@ while its content is pulled, keeps neither the message nor a task for it. Flower
 both, and a ClientApp later answers that message in place of the next one."""
 
 import contextlib
-import re
-import subprocess
 import time
 
-import native
 import pytest
 from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
 from flwr.common.constant import Status, SubStatus
@@ -47,9 +44,9 @@ def run_stopped(*_):
 
 
 def receive_while_the_run_stops(fixed: bool):
-    """One turn of the SuperNode's loop through ``init_connection``'s connection, whose SuperLink hands
-    out a message and then answers that its run is not running (``fixed``: as protofl-supernode does it);
-    the state and store afterwards."""
+    """One turn of the SuperNode's loop with a SuperLink that hands out a message and then answers
+    that its run is not running (``fixed``: through protofl-supernode's connection); the node's
+    state, object store and the message afterwards."""
     message = train_message()
 
     @contextlib.contextmanager
@@ -94,9 +91,3 @@ def test_other_failures_pass_through_unchanged():
         supernode.stopped_run_as_error(failing)("run", "object")
     assert supernode.stopped_run_as_error(lambda run, obj: (run, obj))(1, "a") == (1, "a")
 
-
-def test_protofl_supernode_takes_flower_supernodes_arguments():
-    flags = [set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", subprocess.run(
-        [str(native.BIN / binary), "--help"], capture_output=True, text=True, timeout=60).stdout))
-        for binary in ("protofl-supernode", "flower-supernode")]
-    assert "--superlink" in flags[0] and flags[0] == flags[1]

@@ -9,7 +9,8 @@ architecture per client: client i gets the family's architecture i mod X.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +207,29 @@ def seed_dropout(model: nn.Module, generator: torch.Generator) -> None:
 def host_dropouts(model: nn.Module) -> list[SeededDropout]:
     """The :class:`SeededDropout` layers of ``model`` that draw masks (p > 0), in module order."""
     return [m for m in model.modules() if isinstance(m, SeededDropout) and m.p > 0]
+
+
+def next_masks(drawing: list[SeededDropout], shaped: list[SeededDropout], batch_size: int,
+               device: torch.device) -> list[torch.Tensor]:
+    """The next dropout masks for a batch of ``batch_size``: drawn by ``drawing`` (a client's layers,
+    seeded for it), shaped as the last inputs of ``shaped`` (the layers of the step they go to);
+    none before every one of those has seen an input (the layers then draw themselves)."""
+    shapes = [layer.sample_shape for layer in shaped]
+    if any(shape is None for shape in shapes):
+        return []
+    return [layer.draw((batch_size, *shape), device) for layer, shape in zip(drawing, shapes)]
+
+
+@contextlib.contextmanager
+def fed_masks(layers: list[SeededDropout], masks: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within: each of ``layers`` uses its mask of ``masks`` instead of drawing (none given: they draw)."""
+    for layer, mask in zip(layers, masks):
+        layer.fed = mask
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.fed = None
 
 
 def _new_stem(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:

@@ -23,7 +23,7 @@ from protofl.task.capture import (
     kept_step,
     resolve_cuda_graphs,
 )
-from protofl.task.models import host_dropouts, seed_dropout
+from protofl.task.models import fed_masks, host_dropouts, next_masks, seed_dropout
 from protofl.task.weights import all_tensors
 
 # extra_loss(features, logits, labels) -> scalar tensor added to the cross-entropy (None: nothing)
@@ -128,11 +128,7 @@ def train(
             inputs = x[batch] if augment is None else augment(x[batch], generator)
             if channels_last:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
-            # the dropout masks go into the step as inputs (a captured step cannot draw), drawn here
-            # from this client's generators once a step has shown their shapes
-            shapes = [layer.sample_shape for layer in fed]
-            masks = ([layer.draw((len(batch), *shape), x.device) for layer, shape in zip(dropouts, shapes)]
-                     if all(shape is not None for shape in shapes) else [])
+            masks = next_masks(dropouts, fed, len(batch), x.device)  # inputs of the step: it cannot draw
             (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch], *masks)
             steps += 1
     mean_loss = float(total) / max(steps, 1)
@@ -158,16 +154,7 @@ def _training_step(model: nn.Module, autocast: contextlib.AbstractContextManager
     dropouts = host_dropouts(model)
 
     def step(inputs: torch.Tensor, labels: torch.Tensor, *masks: torch.Tensor) -> None:
-        for layer, mask in zip(dropouts, masks):
-            layer.fed = mask
-        try:
-            _step(inputs, labels)
-        finally:
-            for layer in dropouts:
-                layer.fed = None
-
-    def _step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        with autocast:
+        with fed_masks(dropouts, masks), autocast:
             features, logits = model(inputs)
             loss = F.cross_entropy(logits, labels)
             extra = extra_loss(features, logits, labels) if extra_loss is not None else None
