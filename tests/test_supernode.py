@@ -43,15 +43,19 @@ def run_stopped(*_):
     raise RunNotRunningException
 
 
-def receive_while_the_run_stops(fixed: bool):
+def receive_while_the_run_stops(fixed: bool, stops_at: str = "pull"):
     """One turn of the SuperNode's loop with a SuperLink that hands out a message and then answers
-    that its run is not running (``fixed``: through protofl-supernode's connection); the node's
+    that its run is not running, when the node pulls the message's content or when it confirms
+    the receipt (``stops_at``); ``fixed``: through protofl-supernode's connection. The node's
     state, object store and the message afterwards."""
     message = train_message()
+    contents = {object_id: kept.deflate() for object_id, kept in get_all_nested_objects(message).items()}
+    pull = run_stopped if stops_at == "pull" else lambda run_id, object_id: contents[object_id]
+    confirm = run_stopped if stops_at == "confirm" else lambda run_id, message_id: None
 
     @contextlib.contextmanager
     def superlink(*_, **__):
-        yield NODE_ID, lambda: (message, get_object_tree(message)), None, None, None, run_stopped, None, run_stopped
+        yield NODE_ID, lambda: (message, get_object_tree(message)), None, None, None, pull, None, confirm
 
     state, store = node_state()
     with pytest.MonkeyPatch.context() as patch:
@@ -66,16 +70,18 @@ def receive_while_the_run_stops(fixed: bool):
     return state, store, message
 
 
-def test_flowers_supernode_keeps_a_message_whose_run_stopped_and_a_task_to_run_it():
+@pytest.mark.parametrize("stops_at", ["pull", "confirm"])
+def test_flowers_supernode_keeps_a_message_whose_run_stopped_and_a_task_to_run_it(stops_at):
     """The fault itself (Flower 1.42): should this fail, Flower fixed it and protofl/supernode.py can go."""
-    state, _, message = receive_while_the_run_stops(fixed=False)
+    state, _, message = receive_while_the_run_stops(fixed=False, stops_at=stops_at)
     assert [task.status.status for task in state.get_tasks()] == [Status.PENDING]  # a ClientApp will take it
     assert [m.metadata.message_id for m in state.get_messages_legacy(run_ids=[RUN_ID], is_reply=False)] == \
         [message.metadata.message_id]
 
 
-def test_protofl_supernode_drops_the_message_and_ends_its_task():
-    state, store, message = receive_while_the_run_stops(fixed=True)
+@pytest.mark.parametrize("stops_at", ["pull", "confirm"])
+def test_protofl_supernode_drops_the_message_and_ends_its_task(stops_at):
+    state, store, message = receive_while_the_run_stops(fixed=True, stops_at=stops_at)
     tasks = state.get_tasks()
     assert [(t.status.status, t.status.sub_status) for t in tasks] == [(Status.FINISHED, SubStatus.FAILED)]
     assert "stopped while it was received" in tasks[0].status.details
