@@ -29,15 +29,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare import machine_description  # noqa: E402
 from protofl.task.data import load_client_data  # noqa: E402
 from protofl.task.models import build_model  # noqa: E402
+from protofl.task.inference import features_and_logits, head_loss_and_correct  # noqa: E402
 from protofl.task.partition import PartitionSpec  # noqa: E402
-from protofl.task.train import (  # noqa: E402
-    class_means,
-    features_and_logits,
-    get_device,
-    head_loss_and_correct,
-    recompute_batchnorm_stats,
-    train,
-)
+from protofl.task.precision import get_device  # noqa: E402
+from protofl.task.statistics import class_means  # noqa: E402
+from protofl.task.train import recompute_batchnorm_stats, train  # noqa: E402
 
 
 def largest_class_mean(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> float:

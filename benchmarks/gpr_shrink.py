@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from protofl.strategies.fedskc import period_review  # noqa: E402
 from protofl.task.data.registry import DEBIAN_FMNIST_DIR, load_dataset  # noqa: E402
 from protofl.task.models import build_model  # noqa: E402
-from protofl.task.train import features_and_logits, train  # noqa: E402
+from protofl.task.inference import features_and_logits  # noqa: E402
+from protofl.task.train import train  # noqa: E402
 
 
 def shrunk(model: torch.nn.Module, beta: float, times: int, entries: str) -> dict[str, torch.Tensor]:

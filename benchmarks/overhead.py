@@ -33,7 +33,8 @@ from protofl.settings import ExperimentSettings, default_run_config, parse_overr
 from protofl.task.data import load_client_data, load_dataset  # noqa: E402
 from protofl.task.models import build_model  # noqa: E402
 from protofl.task.sampling import client_seed, sample_partitions  # noqa: E402
-from protofl.task.train import get_device, train  # noqa: E402
+from protofl.task.precision import get_device  # noqa: E402
+from protofl.task.train import train  # noqa: E402
 from protofl.task.weights import get_weights, set_weights, weighted_average  # noqa: E402
 
 

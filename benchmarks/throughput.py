@@ -64,7 +64,9 @@ from protofl.task.data import DATASETS, SHAPES, black_level  # noqa: E402
 from protofl.task.models import build_model, client_architecture  # noqa: E402
 from protofl.task.partition import client_split, partition_indices  # noqa: E402
 from protofl.task.sampling import client_seed  # noqa: E402
-from protofl.task.train import features_and_logits, get_device, resolve_amp, train, uses_channels_last  # noqa: E402
+from protofl.task.inference import features_and_logits  # noqa: E402
+from protofl.task.precision import get_device, resolve_amp, uses_channels_last  # noqa: E402
+from protofl.task.train import train  # noqa: E402
 from protofl.task.weights import get_weights, set_weights  # noqa: E402
 
 

@@ -28,10 +28,8 @@ same client.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import threading
 from logging import INFO
 from typing import Any, Callable, Mapping
 
@@ -46,9 +44,9 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
 from protofl.task.resources import ray_cpus
+from protofl.task.kept_models import kept_model, release_thread_models
 from protofl.task.models import client_architecture
-from protofl.task.train import compute_description, get_device
-from protofl.task.weights import all_tensors, copy_tensors, tensor_copies
+from protofl.task.precision import compute_description, get_device
 
 
 def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], Client]:
@@ -83,44 +81,14 @@ def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], s
     return client
 
 
-class _WorkerModel:
-    """A model a thread keeps for its next messages, with its values as built."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.in_use = model, True
-        self.initial = tensor_copies(model)
-
-    def reset(self) -> torch.nn.Module:
-        copy_tensors(all_tensors(self.model), self.initial)
-        for parameter in self.model.parameters():
-            parameter.grad = None
-        self.in_use = True
-        return self.model
-
-
-_worker_models = threading.local()  # per thread: key -> _WorkerModel, the most recently used last
-KEPT_MODELS = 4  # kinds of model a thread keeps
-
-
 def worker_model(settings: ExperimentSettings, data: ClientData, architecture: str | None) -> torch.nn.Module:
-    """The method's model for this message's client, as :func:`build_method_model` builds it: one
-    model per thread and kind (architecture, shapes, settings), set back to its initial values for
-    each message once the message that used it has ended (:func:`release_worker_models`, a mod of
-    :data:`app`), instead of built anew (building tv-resnet18 takes a few hundred milliseconds of
-    CPU, every message). A model still in use (a client outside a ClientApp's message) is not shared."""
+    """The method's model for this message's client, as :func:`build_method_model` builds it: the
+    thread's kept one of its kind (architecture, shapes, settings), set back to its initial values
+    (:func:`~protofl.task.kept_models.kept_model`), freed when the message ends
+    (:func:`release_worker_models`, a mod of :data:`app`)."""
     name = architecture or client_architecture(settings.model, data.partition_id)
     key = (name, data.in_channels, data.num_classes, data.image_size, repr(settings))
-    models = _worker_models.__dict__.setdefault("models", collections.OrderedDict())
-    kept = models.get(key)
-    if kept is not None and not kept.in_use:
-        models.move_to_end(key)
-        return kept.reset()
-    model = build_method_model(settings, data, architecture)
-    if kept is None:
-        models[key] = _WorkerModel(model)
-        while len(models) > KEPT_MODELS:
-            models.popitem(last=False)
-    return model
+    return kept_model(key, lambda: build_method_model(settings, data, architecture))
 
 
 def release_worker_models(message: Message, context: Context,
@@ -130,12 +98,6 @@ def release_worker_models(message: Message, context: Context,
         return call_next(message, context)
     finally:
         release_thread_models()
-
-
-def release_thread_models() -> None:
-    """This thread's models are free for its next message."""
-    for kept in getattr(_worker_models, "models", {}).values():
-        kept.in_use = False
 
 
 def use_threads(node_config: Mapping[str, Any]) -> None:

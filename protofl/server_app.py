@@ -18,12 +18,13 @@ from flwr.superlink.grid import HttpGrid
 
 from protofl.federation.checkpoint import CLIENT_STATE, Checkpoint, open_run
 from protofl.federation.server import RunStopped
+from protofl.flower_compat import replace_server_fn, server_of
 from protofl.report import RunRecorder, summary_text
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import load_dataset, load_global_test, partition_sizes
 from protofl.task.models import client_architecture, model_bytes
-from protofl.task.train import compute_description, get_device
+from protofl.task.precision import compute_description, get_device
 from protofl.tracking import Tracking
 
 
@@ -156,6 +157,7 @@ def make_server_fn(
                                   state_bytes=state_bytes)
         recorder.extra["compute"] = compute_description(device=get_device(), model=model,
                                                         **settings.method_precision(strategy.options))
+        recorder.extra["resolved"] = settings.resolved(strategy.options, recorder.extra["compute"])
         log(INFO, "protofl: the server computes with %s (each ClientApp logs its own)",
             ", ".join(f"{k} {v}" for k, v in recorder.extra["compute"].items()))
         if checkpoint is not None:
@@ -228,10 +230,12 @@ class PrototypeServerApp(ServerApp):
 
     def __call__(self, grid: Grid, context: Context) -> None:
         if isinstance(grid, HttpGrid):
-            self._server_fn, grid = make_server_fn(deployment=True), PromptReplies(grid)
+            replace_server_fn(self, make_server_fn(deployment=True))
+            grid = PromptReplies(grid)
         super().__call__(grid, context)
-        if self._server.stopped:  # the PrototypeServer the server_fn made for this run
-            raise RunFailed(self._server.stopped)
+        server = server_of(self)  # the PrototypeServer the server_fn made for this run
+        if server.stopped:
+            raise RunFailed(server.stopped)
 
 
 app = PrototypeServerApp()

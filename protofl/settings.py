@@ -7,7 +7,7 @@ each instruction (:mod:`protofl.federation.wire`).
 Flower flattens the nested tables of ``[tool.flwr.app.config]`` into dotted keys, so the FedProto
 table arrives as ``run_config["fedproto.lambda"]``. A method reads its own table as a
 :class:`MethodOptions` subclass: one typed mechanism for top-level keys and method options alike
-(:func:`parse_fields`): unknown keys are errors, each value must have its field's type, and a
+(:func:`~protofl.typed_fields.parse_fields`): unknown keys are errors, each value must have its field's type, and a
 ``Literal[...]`` field lists its allowed values.
 """
 
@@ -16,20 +16,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
-import threading
 import tomllib
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping, get_args, get_origin
+from typing import Any, ClassVar, Literal, Mapping
 
 from protofl.task.augment import Augmentation
 from protofl.task.partition import PartitionScheme, PartitionSpec
 from protofl.task.robust import RobustRule
 from protofl.task.capture import CudaGraphs
-from protofl.task.train import Amp, BatchNormStats, ChannelsLast, PartialBatch
+from protofl.task.precision import Amp, ChannelsLast
+from protofl.task.train import BatchNormStats, PartialBatch
 from protofl.tracking import tracker_names
+from protofl.typed_fields import parse_fields
 
 EvaluateClients = Literal["sampled", "all"]
 # where clients score a round's model: in the next round's fit message, before training (one message
@@ -45,83 +44,11 @@ RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overw
                        "tracker", "mlflow_uri", "clients_in_flight"})
 
 
-# ---------------------------------------------------------------------------------------
-# Typed fields
-# ---------------------------------------------------------------------------------------
-
-
-def _describe(annotation: Any) -> str:
-    if get_origin(annotation) is Literal:
-        return f"one of {get_args(annotation)}"
-    if get_origin(annotation) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(annotation))
-    return {bool: "a bool (true or false)", int: "an integer", float: "a number", str: "a string"}.get(
-        annotation, str(annotation)
-    )
-
-
-def is_int(value: Any) -> bool:
-    """An integer, and not a bool (``True`` is not 1 here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """An int or a float, and not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _conform(value: Any, annotation: Any) -> tuple[bool, Any]:
-    """(whether ``value`` has the type ``annotation`` names, the value as that type)."""
-    origin = get_origin(annotation)
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in get_args(annotation)), value
-    if origin in (typing.Union, types.UnionType):
-        for member in get_args(annotation):
-            ok, converted = _conform(value, member)
-            if ok:
-                return True, converted
-        return False, value
-    if annotation is bool:
-        return isinstance(value, bool), value
-    if annotation is int:
-        return is_int(value), value
-    if annotation is float:
-        ok = is_number(value)
-        return ok, float(value) if ok else value
-    if annotation is str:
-        return isinstance(value, str), value
-    raise TypeError(f"unsupported field type {annotation!r}")
-
-
-_type_hints: dict[type, dict[str, Any]] = {}
-_type_hints_lock = threading.Lock()
-
-
-def type_hints(cls: type) -> dict[str, Any]:
-    """``typing.get_type_hints(cls)``, evaluated once per class under a lock: it compiles the string
-    annotations, and CPython 3.11's compiler fails on threads that compile at once ("AST constructor
-    recursion depth mismatch", seen with clients on Flower's thread pool)."""
-    with _type_hints_lock:
-        if cls not in _type_hints:
-            _type_hints[cls] = typing.get_type_hints(cls)
-        return _type_hints[cls]
-
-
-def parse_fields(cls: type, values: Mapping[str, Any], prefix: str = "", unknown: str = "key") -> dict[str, Any]:
-    """``values`` checked against the dataclass ``cls``'s fields (key "a-b" for field ``a_b``, "b"
-    for ``b_``): an unknown key, or a value not of its field's type, is a ``ValueError`` naming
-    ``prefix + key``."""
-    hints = type_hints(cls)
-    fields = {f.name.rstrip("_"): f.name for f in dataclasses.fields(cls)}  # lambda_: the key "lambda"
-    parsed: dict[str, Any] = {}
-    for key, value in values.items():
-        name = fields.get(key.replace("-", "_"))
-        if name is None:
-            raise ValueError(f"unknown {unknown} {prefix + key!r}")
-        ok, parsed[name] = _conform(value, hints[name])
-        if not ok:
-            raise ValueError(f"{prefix + key} must be {_describe(hints[name])}, got {value!r}")
-    return parsed
+# How a client keeps its model across rounds (MethodOptions.keeps_model), stored after each fit
+# in its local state: "trains", it is restored before each round's receive (the shared entries are
+# then loaded over it) and scored; "scores", the client trains from what the server sends, and its
+# model after training is scored; "kept", only the method reads it (MOON's previous model); None.
+KeptModel = Literal["trains", "scores", "kept"] | None
 
 
 @dataclass(frozen=True)
@@ -130,11 +57,12 @@ class MethodOptions:
     method's run-config table (``[tool.flwr.app.config.<method>]``, "-" for "_"), typed, with
     ``Literal[...]`` for enumerations; range checks go in :meth:`check`.
 
-    Three declarations are the method's contract with the templates:
+    These declarations are the method's contract with the templates:
 
     - ``statistics``: the class statistics each client uploads every round (per-class means and
       counts): of its ``"feature"`` vectors (C x d), of its ``"logit"`` vectors (C x C), or None;
     - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters;
+    - :attr:`keeps_model`: whether and how each client keeps its model across rounds;
     - :attr:`keeps_client_state`: whether clients keep state across rounds;
     - :attr:`capturable`: whether the client's training step may be captured as a CUDA graph.
 
@@ -144,12 +72,13 @@ class MethodOptions:
 
     statistics: ClassVar[Literal["feature", "logit"] | None] = "feature"
     max_grad_norm: ClassVar[float] = 0.0
+    keeps_model: ClassVar[KeptModel] = None
 
     @property
     def keeps_client_state(self) -> bool:
         """Whether each client keeps state for its partition across rounds (a personal model, ...),
-        which a resumed run must find again (default: no)."""
-        return False
+        which a resumed run must find again (default: when it keeps its model)."""
+        return self.keeps_model is not None
 
     @property
     def capturable(self) -> bool:
@@ -180,6 +109,11 @@ class MethodOptions:
     def shares(self, name: str) -> bool:
         """Whether the model entry ``name`` is exchanged with the server (default: all of them)."""
         return True
+
+    def resolved(self, settings: "ExperimentSettings") -> dict[str, Any]:
+        """The value each ``"auto"`` option resolves to in a run of ``settings``, by its key (recorded
+        in results.json). Default: none."""
+        return {}
 
     @classmethod
     def statistics_dim(cls, num_classes: int, feature_dim: int) -> int:
@@ -327,6 +261,21 @@ class ExperimentSettings:
             "seed": seed,
             **self.precision,
         }
+
+    def resolved(self, options: MethodOptions, compute: Mapping[str, Any]) -> dict[str, Any]:
+        """What each ``"auto"`` setting of this run resolved to, by its run-config key: the method's
+        options', ``max-grad-norm``, and ``amp``, ``channels-last`` and ``cuda-graphs`` on the device
+        ``compute`` describes (:func:`~protofl.task.precision.compute_description`; each client's, and
+        its ``batchnorm-stats``, are in its own description, results.json's ``client_compute``)."""
+        values: dict[str, Any] = {}
+        if self.max_grad_norm == "auto":
+            values["max-grad-norm"] = options.max_grad_norm
+        on_device = {"amp": compute.get("autocast"), "channels-last": compute.get("memory_format") == "channels-last",
+                     "cuda-graphs": compute.get("training_step")}
+        values |= {key: value for key, value in on_device.items() if getattr(self, key.replace("-", "_")) == "auto"}
+        if self.batchnorm_stats == "auto":  # each client's choice, by its model and steps
+            values["batchnorm-stats"] = "per client: client_compute's batchnorm_stats"
+        return values | {f"{self.method}.{key}": value for key, value in options.resolved(self).items()}
 
     @property
     def precision(self) -> dict[str, Any]:

@@ -11,16 +11,16 @@ never sees them: a run resumed after its ServerApp died goes on without that nod
 
 The fix: the two calls that pull a message's content raise an ordinary error for a run that
 stopped, so the SuperNode's own handler for failed pulls removes the message and ends its task.
-Imports Flower only (the SuperNode image has no torch).
+Imports Flower and :mod:`protofl.flower_compat` only (the SuperNode image has no torch).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from flwr.supercore.run import RunNotRunningException
-from flwr.supernode import start_client_internal
+
+from protofl.flower_compat import wrap_supernode_connection
 
 
 class RunStoppedWhileReceiving(RuntimeError):
@@ -41,19 +41,7 @@ def stopped_run_as_error(call: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch_supernode() -> None:
     """Wrap the SuperNode's connection so that its object pulls and receipts raise ordinary errors."""
-    connect = start_client_internal._init_connection
-    if getattr(connect, "protofl_fixed", False):
-        return
-
-    @contextlib.contextmanager
-    def init_connection(*args: Any, **kwargs: Any) -> Iterator[tuple]:
-        with connect(*args, **kwargs) as (node_id, receive, send, get_run, get_fab, pull_object, push_object,
-                                          confirm_message_received):
-            yield (node_id, receive, send, get_run, get_fab, stopped_run_as_error(pull_object), push_object,
-                   stopped_run_as_error(confirm_message_received))
-
-    init_connection.protofl_fixed = True
-    start_client_internal._init_connection = init_connection
+    wrap_supernode_connection({"pull_object": stopped_run_as_error, "confirm_message_received": stopped_run_as_error})
 
 
 def main() -> None:

@@ -9,6 +9,13 @@ from flwr.server.client_proxy import ClientProxy
 OK = Status(code=Code.OK, message="")
 
 
+def uploads_class_statistics(method: str) -> bool:
+    """Whether ``method``'s clients upload class statistics (prototypes, knowledge)."""
+    from protofl.strategies import get_method
+
+    return get_method(method)[0].options_class.statistics is not None
+
+
 class FakeProxy(ClientProxy):
     def get_properties(self, ins, timeout, group_id): ...
     def get_parameters(self, ins, timeout, group_id): ...

@@ -64,14 +64,29 @@ def test_the_guide_names_every_hook_a_method_overrides():
     assert missing == []
 
 
+WALK_THROUGH, OTHER_SHAPES = GUIDE.split("## Hooks for methods of other shapes")
+
+
 def test_the_guide_walks_through_a_real_method_file():
     source = (ROOT / "protofl" / "strategies" / "fedproto.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", WALK_THROUGH, re.S)
     assert len(blocks) >= 3
     for block in blocks:  # each excerpt is in the file as it is today (signatures may be shortened)
         for line in block.splitlines():
             if line.strip() and not line.lstrip().startswith("def aggregate_updates"):
                 assert line in source, line
+
+
+def test_each_example_of_the_other_shapes_is_in_the_file_it_names():
+    blocks = re.findall(r"```python\n(.*?)```", OTHER_SHAPES, re.S)
+    assert len(blocks) >= 6
+    for block in blocks:
+        first, *lines = block.splitlines()
+        path = ROOT / first.removeprefix("# ")
+        assert first.startswith("# ") and path.is_file(), first
+        source = path.read_text()
+        for line in lines:
+            assert not line.strip() or line in source, f"{first}: {line}"
 
 
 def test_the_guides_fedproto_excerpts_are_fedprotos_own_source():

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from inprocess import run_in_process
 from test_resume import assert_same_rounds
 
@@ -16,7 +17,8 @@ from protofl.strategies import METHODS, get_method
 from protofl.task.augment import make_augment
 from protofl.task.models import SeededDropout, build_model
 from protofl.task.capture import DeviceMeans, StepState, release_kept_steps, resolve_cuda_graphs
-from protofl.task.train import FeatureSums, train
+from protofl.task.statistics import FeatureSums
+from protofl.task.train import train
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="no CUDA device")
@@ -36,12 +38,17 @@ def data(n=70, device="cpu", seed=0):
     return x.to(device), (torch.arange(n) % 10).to(device)
 
 
+def plus_cross_entropy(extra_loss):
+    """A training loop's loss: the cross-entropy plus ``extra_loss(features, logits, labels)``."""
+    return lambda inputs, features, logits, labels: F.cross_entropy(logits, labels) + extra_loss(features, logits, labels)
+
+
 def trained(cuda_graphs, model="cnn", device="cpu", extra_loss=None, **kwargs):
     """(weights, mean loss) of the CNN trained from its seeded init."""
     net = build_model(model, 1, 10, 16, seed=0).to(device)
     x, y = data(device=device)
     arguments = {"epochs": 2, "batch_size": 16, "lr": 0.05, "seed": 1} | kwargs
-    loss = train(net, x, y, extra_loss=extra_loss, cuda_graphs=cuda_graphs, **arguments)
+    loss = train(net, x, y, loss=extra_loss and plus_cross_entropy(extra_loss), cuda_graphs=cuda_graphs, **arguments)
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss
 
 
@@ -121,7 +128,7 @@ def client_training(cuda_graphs, seed, n=70, lr=0.05, device="cpu", model="cnn")
         parts.add(pull=pull)
         return 0.01 * pull
 
-    loss = train(net, x, y, extra_loss=extra_loss, step_state=StepState((), {"target": target}, [seen, parts]),
+    loss = train(net, x, y, loss=plus_cross_entropy(extra_loss), step_state=StepState((), {"target": target}, [seen, parts]),
                  cuda_graphs=cuda_graphs, epochs=2, batch_size=16, lr=lr, seed=seed, momentum=0.9,
                  partial_batch="keep")
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss, seen, parts.means()
@@ -209,6 +216,12 @@ CAPTURABLE = {  # (method, its options) -> whether its training step may be capt
     ("fedskc", (("lcl-form", "code"),)): True,
     ("fedsc", ()): False,
     ("fedcosr", ()): False,  # keeps a Python list of per-batch sums
+    ("fedprox", ()): True,
+    ("moon", ()): True,
+    ("scaffold", ()): True,  # a constant offset per gradient, an input of the step
+    ("fedopt", ()): True,
+    ("fedntd", ()): True,  # the not-true logits by a gather of fixed shape
+    ("fedrcl", ()): False,  # its levels come from hooks on each message's model
 }
 
 
@@ -233,11 +246,13 @@ def test_each_method_says_whether_its_step_may_be_captured():
 RUN = {"dataset": "digits", "num-server-rounds": 2, "local-epochs": 1, "batch-size": 32}
 
 
-@pytest.mark.parametrize("method", ["fedproto", "fedsa"])
+@pytest.mark.parametrize("method", ["fedproto", "fedsa"] + [pytest.param(m, marks=pytest.mark.slow) for m in (
+    "fedprox", "moon", "scaffold", "fedntd")])
 def test_a_run_through_the_captured_steps_code_equals_the_plain_run(tmp_path, monkeypatch, method):
     """The client plumbing: prototypes received, loss parts and training-mode prototypes recorded
     on the device, as in the plain loop (FedSA: its three loss parts and during-train prototypes),
-    clients after the first of a thread through the step kept from it."""
+    clients after the first of a thread through the step kept from it (FedProx's anchors, MOON's and
+    FedNTD's reference models, SCAFFOLD's gradient offsets: the next client's, copied in)."""
     steps, loads = counted_steps(monkeypatch), kept_step_loads(monkeypatch)
     for name, graphs in (("off", "off"), ("static", "static")):
         run_in_process(RUN | {"method": method, "output-dir": str(tmp_path), "run-name": name, "cuda-graphs": graphs},

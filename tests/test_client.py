@@ -20,7 +20,7 @@ from protofl.strategies.fedavg import FedAvgClient
 from protofl.strategies.fedproto import FedProtoClient
 from protofl.task.data import ClientData, load_client_data
 from protofl.task.models import build_model
-from protofl.task.train import class_means
+from protofl.task.statistics import class_means
 from protofl.task.weights import get_weights
 
 CONFIG = ExperimentSettings(method="fedproto", local_epochs=1, options={"lambda": 1.0})
@@ -169,7 +169,7 @@ def test_a_node_builds_its_family_member_or_the_architecture_its_node_config_nam
 
 
 def test_feature_sums_and_training_mode_prototypes():
-    from protofl.task.train import FeatureSums
+    from protofl.task.statistics import FeatureSums
 
     seen = FeatureSums(3, 2, torch.device("cpu"))
     seen.add(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 0]))

@@ -53,7 +53,7 @@ from protofl.strategies.fedskc import (
 from protofl.task.data.clients import ClientData
 from protofl.task.partition import dirichlet_balanced
 from protofl.task.robust import robust_average_layers
-from protofl.task.train import class_means
+from protofl.task.statistics import class_means
 
 pytestmark = pytest.mark.conformance
 

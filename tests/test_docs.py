@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCREEN_LINES = 40  # a page longer than this needs ## sections
 README = ROOT / "README.md"
 # [text](target) and ![alt](target), with an optional "title"
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -87,3 +88,11 @@ def test_the_reference_lists_every_registered_method_module():
     expanded = hook.on_page_markdown((ROOT / "docs" / hook.PAGE).read_text(), page, config, None)
     assert re.findall(r"^::: protofl\.strategies\.(\w+)$", expanded, re.M) == list(METHODS)
     assert "docs/_hooks/methods.py" in (ROOT / "mkdocs.yml").read_text()
+
+
+def test_every_page_longer_than_a_screen_has_sections():
+    """A reader finds their way by the ``##`` headings (the site's table of contents)."""
+    long_without = [str(page.relative_to(ROOT)) for page in sorted((ROOT / "docs").rglob("*.md"))
+                    if len(page.read_text().splitlines()) > SCREEN_LINES
+                    and not re.search(r"^## ", page.read_text(), re.M)]
+    assert long_without == []

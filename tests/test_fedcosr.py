@@ -29,7 +29,8 @@ from protofl.strategies.fedcosr import (
     sample_infonce_losses,
 )
 from protofl.task.data import load_client_data, load_dataset
-from protofl.task.train import class_means, train
+from protofl.task.statistics import class_means
+from protofl.task.train import train
 from protofl.task.weights import get_weights
 
 
@@ -117,7 +118,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     trained_phi, trained_head = body_arrays(client), client.model.head.weight.detach().clone()
     prototypes = expected + 0.1
     again = make_client(state)
-    again.restore_personal_model()
+    again.has_personal_model = again.restore_personal_model()  # as fit does before receive
     feats, _ = again.forward(again.data.train_x)
     everything = torch.ones(10, dtype=bool)
     fresh_loss = sample_infonce_losses(feats, again.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
@@ -134,6 +135,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     assert metrics["la-tau"] == pytest.approx(tau, rel=1e-5) and metrics["contrastive-loss"] > 0
     assert float(make_client(state).local_state["last-contrastive-loss"]) == metrics["contrastive-loss"]
     third = make_client(state)
+    third.has_personal_model = third.restore_personal_model()
     tau3 = third._local_aggregation(global_phi, third.global_prototypes(prototype_config(3, prototypes)))
     assert tau3 == pytest.approx(math.exp(-metrics["contrastive-loss"]), rel=1e-6)
 
@@ -217,6 +219,7 @@ def test_share_head_ablation_exchanges_and_mixes_the_whole_model():
     trained = get_weights(client.model)
     zeros = [np.zeros_like(w) for w in trained]
     again = make_client(state, **{"share-head": True, "local-aggregation": "fixed", "fixed-tau": 0.5})
+    again.has_personal_model = again.restore_personal_model()
     assert again._local_aggregation(zeros, None) == 0.5
     for mixed, local in zip(get_weights(again.model), trained):
         np.testing.assert_allclose(mixed, 0.5 * local, rtol=1e-6)  # the head too
@@ -231,7 +234,7 @@ def test_fresh_eval_tau_and_evaluation_after_aggregation():
     stored = metrics["contrastive-loss"]
 
     fresh = make_client(state, **{"tau-loss": "fresh-eval"})
-    fresh.restore_personal_model()
+    fresh.has_personal_model = fresh.restore_personal_model()
     features, _ = fresh.forward(fresh.data.train_x)
     everything = torch.ones(10, dtype=bool)
     expected = sample_infonce_losses(features, fresh.data.train_y, torch.from_numpy(prototypes), everything, 0.1)

@@ -173,7 +173,7 @@ def test_prototypes_are_the_means_of_the_training_features_seen_or_of_an_eval_pa
     during = np.load(io.BytesIO(metrics[CLASS_MEANS]))
     post = make_client(RecordDict(), options={"prototype-pass": "post-eval"})
     _, _, metrics = post.fit([], anchor_config(1))
-    from protofl.task.train import class_means
+    from protofl.task.statistics import class_means
 
     expected, _ = class_means(post.forward(post.data.train_x)[0], post.data.train_y, 10)
     np.testing.assert_allclose(np.load(io.BytesIO(metrics[CLASS_MEANS])), expected, rtol=1e-5, atol=1e-6)

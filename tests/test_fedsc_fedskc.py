@@ -39,7 +39,8 @@ from protofl.strategies.fedskc import (
 )
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.prototypes import multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
-from protofl.task.train import class_means, steps_per_epoch
+from protofl.task.statistics import class_means
+from protofl.task.train import steps_per_epoch
 from protofl.task.weights import get_weights
 
 SIGMOID_HALF = 1 / (1 + math.exp(-0.5))  # sigma(0.5) = 0.6225; sigma(-0.5) = 1 - that

@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 import pytest
-from fakes import OK, FakeProxy
+from fakes import OK, FakeProxy, uploads_class_statistics
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
 
 from protofl.federation.partitions import PartitionClaim
@@ -28,6 +28,10 @@ EXTRA_METRICS = {  # what each method's clients report besides the template's ke
     "fedsa": {"regularization-loss": 0.1, "margin-contrastive-loss": 0.2, "calibration-loss": 0.3},
     "fedsc": {"rpcl-loss": 0.4, "cpdr-loss": 0.1},
     "fedskc": {"lcl-loss": 0.5},
+    "fedprox": {"proximal-loss": 0.01},
+    "moon": {"contrastive-loss": 0.6},
+    "fedntd": {"ntd-loss": 0.2},
+    "fedrcl": {"contrastive-loss": 1.2, "penalty-loss": 0.05},
 }
 
 
@@ -66,6 +70,8 @@ def honest_update(strategy, pid, round_=1):
     counts = strategy.discovery.registry.sizes(pid).train_counts
     dim = strategy.options.statistics_dim(10, strategy.feature_dim)
     metrics = {"partition-id": pid, "train-loss": 1.0, **EXTRA_METRICS.get(strategy.settings.method, {})}
+    for name, spec in strategy.upload_specs().items():  # the method's named uploads (SCAFFOLD's)
+        metrics[name] = encode_array(rng.normal(0, 0.01, spec.shape).astype(spec.dtypes[0]))
     if strategy.options.statistics is not None:
         means = np.zeros((10, dim), np.float32)
         rows = rng.normal(1.0, 0.2, (10, dim)) / np.sqrt(dim)  # norm about 1, within FedNH's unit ball
@@ -159,7 +165,42 @@ def attack_not_a_mapping(strategy, res):
     return [(FakeProxy("103"), bad)]
 
 
+def _upload_name(strategy):
+    return sorted(strategy.upload_specs())[0]
+
+
+def attack_missing_upload(strategy, res):
+    metrics = {k: v for k, v in res.metrics.items() if k != _upload_name(strategy)}
+    return [(FakeProxy("103"), FitRes(OK, res.parameters, res.num_examples, metrics))]
+
+
+def _upload_replaced(strategy, res, change):
+    name = _upload_name(strategy)
+    bad = change(np.load(io.BytesIO(res.metrics[name])))
+    metrics = {k: v for k, v in res.metrics.items() if k != name} | {name: encode_array(bad)}
+    return [(FakeProxy("103"), FitRes(OK, res.parameters, res.num_examples, metrics))]
+
+
+def attack_non_finite_upload(strategy, res):
+    return _upload_replaced(strategy, res, lambda a: a * np.inf)
+
+
+def attack_reshaped_upload(strategy, res):
+    return _upload_replaced(strategy, res, lambda a: np.concatenate([a.ravel(), a.ravel()]))
+
+
+def attack_retyped_upload(strategy, res):
+    return _upload_replaced(strategy, res, lambda a: a.astype(np.float64 if a.dtype == np.float32 else np.float32))
+
+
+def attack_huge_upload(strategy, res):  # finite, the right shape: caught by the magnitude screen
+    return _upload_replaced(strategy, res, lambda a: (a * 1e6).astype(a.dtype))
+
+
+UPLOAD_ATTACKS = ("missing_upload", "non_finite_upload", "reshaped_upload", "retyped_upload", "huge_upload")
 ATTACKS = {f.__name__[len("attack_"):]: f for f in (
+    attack_missing_upload, attack_non_finite_upload, attack_reshaped_upload, attack_retyped_upload,
+    attack_huge_upload,
     attack_huge_class_vector, attack_scaled_parameters, attack_inflated_size, attack_overflowing_counts,
     attack_shifted_counts, attack_twice, attack_other_partition, attack_not_asked, attack_bool_loss,
     attack_malformed_blobs, attack_not_a_mapping, attack_huge_text,
@@ -187,7 +228,9 @@ def test_a_hostile_update_is_dropped_and_the_round_ends_as_the_honest_ones_alone
     honest = [honest_update(strategy, p) for p in range(N - 1)]
     hostile_reply = honest_update(strategy, HOSTILE)[1]
     if attack in ("huge_class_vector", "overflowing_counts", "shifted_counts") and strategy.options.statistics is None:
-        pytest.skip("FedAvg uploads no class statistics")
+        pytest.skip(f"{method} uploads no class statistics")
+    if attack in UPLOAD_ATTACKS and not strategy.upload_specs():
+        pytest.skip(f"{method} uploads no named arrays")
     if attack == "scaled_parameters" and not strategy.shared_weights():
         pytest.skip(f"{method} shares no parameters")
     sent = ATTACKS[attack](strategy, hostile_reply)
@@ -250,7 +293,7 @@ def test_the_screen_compares_class_vectors_among_clients_of_one_architecture(tmp
     assert metrics["accepted"] == N - 1 and [d["partition"] for d in record["dropped"]] == [3]
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "fedavg"])
+@pytest.mark.parametrize("method", [m for m in METHODS if uploads_class_statistics(m)])
 def test_a_huge_class_vector_without_the_screen_cannot_make_a_broadcast_non_finite(tmp_path, method):
     """Screen off: the 1e21 row reaches the server rule (FedSKC's GDA weights were 0/0 there); what
     goes out is finite, or the round keeps the previous state."""

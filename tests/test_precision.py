@@ -5,7 +5,9 @@ import torch
 
 from protofl.settings import ExperimentSettings
 from protofl.task.models import SplitModel, build_model
-from protofl.task.train import features_and_logits, native_bf16, recompute_batchnorm_stats, resolve_amp, train
+from protofl.task.inference import features_and_logits
+from protofl.task.precision import native_bf16, resolve_amp
+from protofl.task.train import recompute_batchnorm_stats, train
 
 CHANNELS, CLASSES, SIZE = 3, 4, 16
 
@@ -84,7 +86,7 @@ def test_a_model_first_moved_to_channels_last_by_the_eval_pass_still_trains():
 @pytest.mark.parametrize("name", ["cnn", "tv-resnet18"])  # one of each: channels-last measured faster, slower
 def test_auto_puts_a_backbone_in_channels_last_order_only_where_it_trains_faster_so(name):
     from protofl.task.models import CHANNELS_LAST_FASTER
-    from protofl.task.train import uses_channels_last
+    from protofl.task.precision import uses_channels_last
 
     model = build_model(name, CHANNELS, CLASSES, SIZE, seed=0)
     faster = name in CHANNELS_LAST_FASTER
@@ -160,7 +162,7 @@ def test_auto_on_cuda_is_bf16_from_compute_capability_8_with_captured_steps_only
 @pytest.mark.parametrize("name", ["tv-resnet18", "tv-mobilenetv2"])  # channels-last faster on CUDA, slower
 def test_auto_on_cuda_puts_a_backbone_in_channels_last_order_as_measured_there_with_captured_steps(name):
     from protofl.task.models import CHANNELS_LAST_FASTER_CUDA
-    from protofl.task.train import uses_channels_last
+    from protofl.task.precision import uses_channels_last
 
     model, cuda = build_model(name, CHANNELS, CLASSES, SIZE, seed=0), torch.device("cuda")
     assert uses_channels_last(model, "auto", cuda) == (name in CHANNELS_LAST_FASTER_CUDA) == (name == "tv-resnet18")
@@ -224,10 +226,11 @@ def test_bf16_training_on_concurrent_threads_gives_what_it_gives_alone():
         model = build_model("cnn", CHANNELS, CLASSES, SIZE, seed=seed)
         anchors = torch.randn(CLASSES, 512, generator=torch.Generator().manual_seed(seed))
 
-        def head_twice(features, logits, labels):  # the head again in the same autocast region (FedSA's L_CC)
-            return torch.nn.functional.cross_entropy(model.head(anchors), torch.arange(CLASSES))
+        def head_twice(inputs, features, logits, labels):  # the head again in the same autocast region (FedSA's L_CC)
+            cross_entropy = torch.nn.functional.cross_entropy
+            return cross_entropy(logits, labels) + cross_entropy(model.head(anchors), torch.arange(CLASSES))
 
-        losses = [train(model, x, y, epochs=1, batch_size=8, lr=0.05, seed=e, amp="bf16", extra_loss=head_twice)
+        losses = [train(model, x, y, epochs=1, batch_size=8, lr=0.05, seed=e, amp="bf16", loss=head_twice)
                   for e in range(3)]
         return losses, flat(model)
 

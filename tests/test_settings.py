@@ -176,12 +176,12 @@ def test_field_types_are_evaluated_once_per_class_not_on_every_clients_thread(mo
     clients of an in-process federation compile on several threads at once."""
     import typing
 
-    from protofl import settings as settings_module
+    from protofl import typed_fields
 
     calls = []
     real = typing.get_type_hints
-    monkeypatch.setattr(settings_module, "_type_hints", {})
-    monkeypatch.setattr(settings_module.typing, "get_type_hints", lambda cls: calls.append(cls) or real(cls))
+    monkeypatch.setattr(typed_fields, "_type_hints", {})
+    monkeypatch.setattr(typed_fields.typing, "get_type_hints", lambda cls: calls.append(cls) or real(cls))
     for _ in range(3):
         ExperimentSettings.from_run_config({"method": "fedproto", "lr": 0.1})
     assert calls.count(ExperimentSettings) == 1

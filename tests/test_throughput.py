@@ -10,7 +10,7 @@ import torch
 
 from protofl.settings import ExperimentSettings
 from protofl.task.data import SHAPES, load_dataset
-from protofl.task.train import resolve_amp
+from protofl.task.precision import resolve_amp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -2,9 +2,10 @@
 
 A reply is admitted only when it comes from a node asked this round, once; when its partition id
 is the one that node holds, its sizes are that partition's (:mod:`protofl.federation.partitions`),
-its losses finite, its parameters the shapes and dtypes the server sent and its class statistics
-well formed (:class:`~protofl.federation.wire.ClassStatistics`); and when the method's own
-``check_update`` accepts it. Then the round's magnitude screen (``screen-factor``) compares the
+its losses finite, its parameters the shapes and dtypes the server sent, its class statistics
+well formed (:class:`~protofl.federation.wire.ClassStatistics`) and the method's named uploads
+(``upload_specs``) each there, of their shape and dtype, finite and within the payload cap; and
+when the method's own ``check_update`` accepts it. Then the round's magnitude screen (``screen-factor``) compares the
 updates with each other. Whatever is wrong, the reply is dropped with a logged reason (a record
 for results.json's ``dropped``) and the others go on without it. After the server rule,
 :func:`output_problem` keeps a non-finite or misshapen aggregate from going out.
@@ -35,9 +36,11 @@ from protofl.federation.wire import (
     checked_loss,
     decode_array,
     decode_compute,
+    decode_entry,
     rejection_reason,
 )
-from protofl.settings import ExperimentSettings, MethodOptions, is_int
+from protofl.settings import ExperimentSettings, MethodOptions
+from protofl.typed_fields import is_int
 from protofl.task.models import client_architecture
 from protofl.task.robust import lower_median, outliers
 
@@ -56,6 +59,7 @@ class ClientUpdate:
     parameters: list[np.ndarray]
     statistics: ClassStatistics | None
     metrics: dict[str, Scalar] = field(default_factory=dict)
+    uploads: dict[str, np.ndarray] = field(default_factory=dict)  # the method's named arrays (upload_specs)
 
 
 def stacked_statistics(updates: Sequence[ClientUpdate]) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +72,8 @@ class Admission:
 
     ``references``: the shared model entries as the server built them (the shapes and dtypes every
     client's parameters must have); ``known_sizes(partition_id)``: what the server knows a
-    partition holds; ``check_update``: the method's own checks.
+    partition holds; ``check_update``: the method's own checks; ``upload_specs()``: the method's
+    named uploads and what each must be.
     """
 
     def __init__(
@@ -81,10 +86,11 @@ class Admission:
         loss_metrics: Sequence[str],
         known_sizes: KnownSizes,
         check_update: Callable[[ClientUpdate], None],
+        upload_specs: Callable[[], Mapping[str, ArraySpec]] = dict,
     ) -> None:
         self.settings, self.options, self.references = settings, options, references
         self.num_classes, self.feature_dim, self.loss_metrics = num_classes, feature_dim, loss_metrics
-        self.known_sizes, self.check_update = known_sizes, check_update
+        self.known_sizes, self.check_update, self.upload_specs = known_sizes, check_update, upload_specs
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.asked: dict[str, int] = {}  # node id -> partition, of this round's instructions
         self.sent_parameters: list[np.ndarray] = list(references)  # what this round's clients train from
@@ -144,16 +150,19 @@ class Admission:
                 metrics, self.num_classes, self.options.statistics_dim(self.num_classes, self.feature_dim),
                 res.num_examples, self.max_payload_bytes, expected_counts=known[2] if known else None,
             )
-        update = ClientUpdate(partition_id, res.num_examples, parameters, statistics, metrics)
+        uploads = {name: decode_entry(metrics, name, spec, self.max_payload_bytes)
+                   for name, spec in self.upload_specs().items()}
+        update = ClientUpdate(partition_id, res.num_examples, parameters, statistics, metrics, uploads)
         self.check_update(update)
         return update
 
     def screen(
         self, server_round: int, updates: list[ClientUpdate]
     ) -> tuple[list[ClientUpdate], list[dict[str, Any]], dict[str, float]]:
-        """The default magnitude screen (``screen-factor``): an update whose parameter change, or
-        one of whose class vectors, has a norm above the factor times the round's lower median
-        (for class vectors: per class, among the clients of the same architecture) is dropped.
+        """The default magnitude screen (``screen-factor``): an update whose parameter change, one
+        of whose class vectors, or one of whose named uploads has a norm above the factor times the
+        round's lower median (for class vectors: per class, among the clients of the same
+        architecture) is dropped.
         Returns (kept, what was dropped, the largest ratios to the median seen: how close honest
         clients come to the bound)."""
         factor = self.settings.screen_factor
@@ -174,6 +183,13 @@ class Admission:
             if self.sent_parameters and updates[0].parameters:
                 norms = [change_norm(u.parameters, self.sent_parameters) for u in updates]
                 compare("parameter change", "screen_parameter_ratio", everyone, norms)
+            groups: dict[str, list[str]] = {}  # an indexed upload (name/0, name/1, ...) is one vector
+            for name in updates[0].uploads:
+                groups.setdefault(name.split("/")[0], []).append(name)
+            for group, names in groups.items():
+                norms = [math.sqrt(sum(float(np.sum(u.uploads[n].astype(np.float64) ** 2)) for n in names))
+                         for u in updates]
+                compare(f"upload {group!r}", "screen_upload_ratio", everyone, norms)
             if updates[0].statistics is not None:  # per architecture: their feature scales differ
                 means, counts = stacked_statistics(updates)
                 row_norms = np.linalg.norm(means.astype(np.float64), axis=2)

@@ -4,7 +4,8 @@ atomically and read back without pickle.
 
 **Server.** ``<run directory>/checkpoint.npz`` after every ``checkpoint-every`` rounds: the round,
 the global parameters, the method's server state (its ``state_fields``, whatever their values:
-arrays, :class:`ClassVectors`, lists or dicts of them), the fixed number of partitions, the DP
+arrays, :class:`ClassVectors`, lists or dicts of them, torch tensors, modules and optimizers as
+their ``state_dict``, :mod:`protofl.federation.server_state`), the fixed number of partitions, the DP
 releases, the run's results so far and the settings it ran with. One file, so that it is
 always a whole round's. With ``dp-noise``, ``<run directory>/dp-releases.json`` records each DP
 release as it goes out (:class:`~protofl.task.privacy.ReleaseLedger`): a resumed run reads it, not
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
+import torch
 from flwr.common import Parameters, parameters_to_ndarrays
 from flwr.common.logger import log
 
@@ -65,10 +67,14 @@ def encode_tree(value: Any, arrays: dict[str, np.ndarray]) -> Any:
         name = f"a{len(arrays)}"
         arrays[name] = value
         return {"array": name}
+    if isinstance(value, torch.Tensor):  # a server-side module's or optimizer's (MethodState)
+        return {"tensor": encode_tree(value.detach().cpu().numpy(), arrays)["array"]}
     if isinstance(value, ClassVectors):
         return {"class_vectors": {f.name: encode_tree(getattr(value, f.name), arrays)
                                   for f in dataclasses.fields(value)}}
     if isinstance(value, Mapping):
+        if value and all(type(k) is int for k in value):  # an optimizer's state, by parameter index
+            return {"int_dict": [[k, encode_tree(v, arrays)] for k, v in value.items()]}
         return {"dict": {str(k): encode_tree(v, arrays) for k, v in value.items()}}
     if isinstance(value, (list, tuple)):
         return {"list": [encode_tree(v, arrays) for v in value]}
@@ -82,10 +88,14 @@ def decode_tree(layout: Any, arrays: Mapping[str, np.ndarray]) -> Any:
         return content
     if kind == "array":
         return arrays[content]
+    if kind == "tensor":
+        return torch.from_numpy(np.array(arrays[content]))
     if kind == "class_vectors":
         return ClassVectors(**{name: decode_tree(v, arrays) for name, v in content.items()})
     if kind == "dict":
         return {k: decode_tree(v, arrays) for k, v in content.items()}
+    if kind == "int_dict":
+        return {int(k): decode_tree(v, arrays) for k, v in content}
     if kind == "list":
         return [decode_tree(v, arrays) for v in content]
     raise ValueError(f"unknown checkpoint entry {kind!r}")

@@ -28,10 +28,11 @@ from protofl.federation.wire import (
     embedded_evaluation,
 )
 from protofl.report import RunRecorder, personalized_stats, progress_line
-from protofl.settings import is_int, is_number
+from protofl.typed_fields import is_int, is_number
 from protofl.task.models import SplitModel
 from protofl.task.capture import CudaGraphs
-from protofl.task.train import Amp, ChannelsLast, features_and_logits, head_loss_and_correct
+from protofl.task.inference import features_and_logits, head_loss_and_correct
+from protofl.task.precision import Amp, ChannelsLast
 from protofl.task.weights import set_weights
 
 

@@ -13,7 +13,7 @@ from protofl.federation.wire import CORRECT, PARTITION_ID, PM_L, PM_V
 from protofl.report import class_weighted_accuracy
 from protofl.settings import ExperimentSettings
 from protofl.task.data import ClientData, load_global_test
-from protofl.task.train import head_loss_and_correct
+from protofl.task.inference import head_loss_and_correct
 
 # predict(features, logits) -> predicted labels
 Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -23,16 +23,19 @@ Hooks (see docs/adding-a-method.md):
 - ``aggregate_updates(server_round, updates)``: the server rule; returns the new global parameters
   (the shared entries, in order) or None; it averages parameters with :meth:`average_parameters`
   and passes :attr:`prototype_rule` to the class-vector math, so the run's robust rules apply;
-- ``state_fields``: the attributes that hold the method's server state (restored when a round's
-  output is rejected);
-- ``broadcast_to_evaluate``: False keeps the broadcast out of the evaluate config;
+- ``broadcast_to(server_round, partition_id)``: arrays sent to one client only (FedAMP's own model);
+- ``upload_specs()``: the named arrays each client uploads besides its parameters and class
+  statistics (SCAFFOLD's control-variate deltas), checked by admission like every other field;
+- ``state_fields``: the attributes that hold the method's server state, which may hold torch
+  modules and optimizers (:mod:`protofl.federation.server_state`): checkpointed, restored on
+  resume and when a round's output is rejected;
+- ``broadcast_to_evaluate``: False keeps the broadcasts out of the evaluate config;
 - ``predictor_names``: the predictors its clients score (``PrototypeClient.predictors``); an
   evaluation that reports another is dropped.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from logging import INFO, WARNING
 from typing import Any, Callable, Sequence
@@ -58,7 +61,6 @@ from protofl.federation.admission import (
     Admission,
     ClientUpdate,
     client_compute,
-    output_problem,
     stacked_statistics,
     too_few_updates,
 )
@@ -66,6 +68,8 @@ from protofl.federation.checkpoint import Checkpoint, RunCheckpoints
 from protofl.federation.evaluation import PersonalizedEvaluation, global_model_scores
 from protofl.federation.partitions import DISCOVERY_TIMEOUT, ExpectedSizes, PartitionDiscovery
 from protofl.federation.privacy_accounting import PrivacyAccounting
+from protofl.federation.server_rule import ServerRule
+from protofl.federation.server_state import MethodState
 from protofl.federation.wire import (
     EVALUATE_ROUND,
     TRAIN_LOSS,
@@ -76,9 +80,9 @@ from protofl.federation.wire import (
     payload_bytes,
 )
 from protofl.report import RunRecorder, progress_line
-from protofl.settings import ExperimentSettings, MethodOptions
+from protofl.settings import ExperimentSettings
 from protofl.task.models import MODEL_FAMILIES, SplitModel
-from protofl.task.robust import robust_average_layers
+from protofl.task.precision import get_device
 from protofl.task.sampling import client_seed, sample_partitions
 
 __all__ = ["ClientUpdate", "PayloadError", "PrototypeStrategy", "RunStopped", "stacked_statistics"]
@@ -126,12 +130,10 @@ class RunStopped(Exception):
     """A round cannot go on: the run ends with this one-line reason, its results so far saved."""
 
 
-class PrototypeStrategy(Strategy):
+class PrototypeStrategy(ServerRule, Strategy):
     """Flower Strategy with seeded sampling, payload checks, GM/PM evaluation and results."""
 
-    options_class: type[MethodOptions] = MethodOptions
     loss_metrics: tuple[str, ...] = ()
-    state_fields: tuple[str, ...] = ()
     broadcast_to_evaluate = True
     predictor_names: tuple[str, ...] = ("head",)
 
@@ -163,48 +165,15 @@ class PrototypeStrategy(Strategy):
                                             settings.round_timeout or DISCOVERY_TIMEOUT, lambda p: self.privacy.seen(p))
         self.privacy = PrivacyAccounting(settings, self.options, names, num_classes, self.recorder, self.discovery)
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
-                                   self.loss_metrics, self.discovery.known_sizes, self.check_update)
+                                   self.loss_metrics, self.discovery.known_sizes, self.check_update,
+                                   self.upload_specs)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
         self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir,
                                           state_bytes if self.options.keeps_client_state else None)
         self.sampled: list[int] = []
         self.round_started = 0.0
-
-    # --- hooks for methods --------------------------------------------------------------
-
-    def check_update(self, update: ClientUpdate) -> None:
-        """Method-specific checks of a decoded update; raise :class:`PayloadError` to drop it."""
-
-    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        """Arrays sent to clients in the fit and evaluate config."""
-        return {}
-
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
-        """Server rule: new global parameters (the shared entries), or None when none are shared."""
-        raise NotImplementedError
-
-    # --- helpers for server rules -------------------------------------------------------
-
-    def average_parameters(
-        self, updates: Sequence[ClientUpdate], weights: Sequence[float] | None = None
-    ) -> list[np.ndarray]:
-        """The clients' parameters under the run's ``aggregation`` rule: with ``method``, their
-        layer-wise mean weighted by ``weights`` (default: the training sizes)."""
-        weights = [u.num_examples for u in updates] if weights is None else weights
-        s = self.settings
-        return robust_average_layers(
-            [u.parameters for u in updates], weights, s.aggregation, s.trim_fraction, self.admission.sent_parameters
-        )
-
-    @property
-    def prototype_rule(self) -> dict[str, Any]:
-        """Keyword arguments that apply the run's ``prototype-aggregation`` rule to class vectors."""
-        return {"rule": self.settings.prototype_aggregation, "trim_fraction": self.settings.trim_fraction}
-
-    def shared_weights(self) -> list[np.ndarray]:
-        """Initial values of the model entries exchanged with clients, in order: sent in round 1,
-        and the shapes and dtypes every client's parameters must have."""
-        return [self.initial_weights[i] for i in self.shared_indices]
+        self.method_state = MethodState(self, self.state_fields)
+        self.device = get_device()  # where server-side training runs (ServerRule.server_generator)
 
     # --- Strategy API: fit ------------------------------------------------------------------
 
@@ -218,11 +187,12 @@ class PrototypeStrategy(Strategy):
     def round_configs(
         self, server_round: int, partition_ids: Sequence[int], with_broadcast: bool = True
     ) -> list[dict[str, Scalar]]:
-        """Per-client config: round, the client's seed, and the broadcast arrays (encoded once)."""
+        """Per-client config: round, the client's seed, the broadcast arrays (encoded once) and its own."""
         arrays = self.broadcast(server_round) if with_broadcast else {}
         shared = {k: encode_array(v) for k, v in arrays.items()}
+        own = {p: self.broadcast_to(server_round, p) if with_broadcast else {} for p in partition_ids}
         return [self.checkpoints.round_config(server_round, client_seed(self.settings.seed, server_round, p)) | shared
-                for p in partition_ids]
+                | {k: encode_array(v) for k, v in own[p].items()} for p in partition_ids]
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
@@ -272,7 +242,7 @@ class PrototypeStrategy(Strategy):
             reasons = [d["reason"] for d in dropped]
             raise RunStopped(too_few_updates(server_round, len(updates), required, reasons, failed))
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
-        new_parameters, kept_previous = self._aggregate(server_round, updates)
+        new_parameters, kept_previous = self.apply_rule(server_round, updates)
         elapsed = time.perf_counter() - self.round_started
         fields = fit_fields(updates, self.loss_metrics, results, failures, dropped)
         record = self.recorder.update(
@@ -288,22 +258,6 @@ class PrototypeStrategy(Strategy):
             return None, metrics  # Flower keeps the parameters
         return ndarrays_to_parameters(new_parameters if new_parameters is not None else []), metrics
 
-    def _aggregate(self, server_round: int, updates: list[ClientUpdate]) -> tuple[list[np.ndarray] | None, str | None]:
-        """The server rule on the accepted updates, its output checked: (new parameters, None), or
-        (None, why) with the method's state as before the round."""
-        saved = {name: copy.deepcopy(getattr(self, name)) for name in self.state_fields}
-        try:
-            new_parameters = self.aggregate_updates(server_round, updates)
-            problem = output_problem(new_parameters, self.shared_weights(), self.broadcast(server_round + 1))
-        except Exception as err:  # the rule must not end the run on what clients sent
-            new_parameters, problem = None, f"the server rule failed: {type(err).__name__}: {err}"
-        if problem is None:
-            return new_parameters, None
-        for name, value in saved.items():
-            setattr(self, name, value)
-        log(WARNING, "round %d: %s; the previous global state is kept", server_round, problem)
-        return None, problem
-
     # --- checkpoints ------------------------------------------------------------------------
 
     def server_state(self) -> dict[str, Any]:
@@ -311,7 +265,7 @@ class PrototypeStrategy(Strategy):
         ``state_fields``, the fixed number of partitions, the DP releases, the round whose
         scores the next fit message asks for, the last round each partition trained."""
         return {
-            "fields": {name: getattr(self, name) for name in self.state_fields},
+            "fields": self.method_state.checkpointed(),
             "num_partitions": self.discovery.registry.num_partitions or 0,
             "releases": self.privacy.state(),
             "pending_evaluation": self.evaluation.pending,
@@ -321,8 +275,7 @@ class PrototypeStrategy(Strategy):
     def resume_from(self, checkpoint: Checkpoint) -> None:
         """Continue after ``checkpoint``'s round: its method state, partitions, results and run token."""
         state = checkpoint.strategy_state
-        for name in self.state_fields:
-            setattr(self, name, state["fields"][name])
+        self.method_state.restore(state["fields"])
         self.discovery.registry.fixed = int(state["num_partitions"]) or None
         self.privacy.restore(state["releases"], checkpoint.server_round)  # (a run directory without dp-releases.json)
         self.evaluation.pending = state.get("pending_evaluation")

@@ -34,6 +34,7 @@ from protofl.federation.client_state import MEMORY
 from protofl.federation.wire import COMPUTE, decode_compute, encode_compute
 from protofl.settings import ExperimentSettings
 from protofl.task.capture import CAPTURE_GATE
+from protofl.task.kept_models import release_thread_models
 
 WORKER_NAME = "protofl-training-worker"
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -58,8 +59,6 @@ class TrainingWorker:
         self._streams = threading.local()
 
     def call(self, settings: ExperimentSettings, node_config: Mapping[str, Any], method: str, *args: Any) -> Any:
-        from protofl.client_app import release_thread_models  # the ClientApp's own kept models
-
         if method in ("fit", "evaluate"):  # Ray hands large arrays over read-only, in its object store
             args = ([np.array(array) for array in args[0]], *args[1:])
         with CAPTURE_GATE.work(), self._own_stream():

@@ -21,12 +21,12 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Scalar, Status
 
-from protofl.settings import is_int, is_number
+from protofl.typed_fields import is_int, is_number
 from protofl.task.privacy import privatize_class_means
 from protofl.task.storage import NUMPY_HEADER_LOCK
 
@@ -50,6 +50,7 @@ NUM_TRAIN = "num-train"
 NUM_TEST = "num-test"
 STATE_ROUND = "state-round"  # the round of the newest state a node holds for its partition (0: none)
 TRAIN_LOSS = "train-loss"
+CONTRASTIVE_LOSS = "contrastive-loss"  # a method's contrastive term, its batch mean (FedCoSR, MOON, FedRCL)
 COMPUTE = "compute"  # fit: how the client computes (encode_compute), kept in results.json's client_compute
 CLASS_MEANS = "class-means"
 CLASS_COUNTS = "class-counts"
@@ -115,6 +116,11 @@ class ArraySpec:
     dtypes: tuple[str, ...] = ("float32",)
     nonnegative: bool = False
 
+    @classmethod
+    def like(cls, array: np.ndarray) -> "ArraySpec":
+        """An array of ``array``'s shape and dtype."""
+        return cls(tuple(array.shape), (array.dtype.name,))
+
 
 def encode_array(array: np.ndarray) -> bytes:
     """numpy array -> ``.npy`` bytes (never pickled)."""
@@ -169,6 +175,22 @@ def decode_entry(values: Mapping[str, Any], key: str, spec: ArraySpec, max_bytes
         return decode_array(values[key], spec, max_bytes)
     except PayloadError as err:
         raise PayloadError(f"{key!r}: {err}") from None
+
+
+def indexed_keys(name: str, count: int) -> list[str]:
+    """The keys of ``count`` arrays that travel under one name (one per shared model entry, say):
+    ``name/0``, ``name/1``, ..."""
+    return [f"{name}/{i}" for i in range(count)]
+
+
+def indexed(name: str, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` under :func:`indexed_keys` of ``name``, for a broadcast or an upload."""
+    return dict(zip(indexed_keys(name, len(arrays)), arrays))
+
+
+def indexed_entries(values: Mapping[str, Any], name: str, specs: Sequence[ArraySpec], max_bytes: int) -> list[np.ndarray]:
+    """The arrays :func:`indexed` sent under ``name``, each checked against its spec."""
+    return [decode_entry(values, key, spec, max_bytes) for key, spec in zip(indexed_keys(name, len(specs)), specs)]
 
 
 def payload_bytes(values: Mapping[str, Any]) -> int:
@@ -329,7 +351,7 @@ def decode_class_vectors(
 
 # what a client's compute description may hold (compute_description's fields), each short
 COMPUTE_FIELDS = ("host", "device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16", "memory_format",
-                  "training_step", "clients_in_flight")
+                  "training_step", "clients_in_flight", "batchnorm_stats")
 MAX_COMPUTE_CHARS, MAX_COMPUTE_FIELD_CHARS = 1024, 80
 
 

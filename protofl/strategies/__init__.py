@@ -15,7 +15,8 @@ from protofl.settings import ExperimentSettings
 from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model, client_architecture
 
-METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa", "fedsc", "fedskc")
+METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa", "fedsc", "fedskc",
+           "fedprox", "moon", "scaffold", "fedopt", "fedntd", "fedrcl")
 
 
 def _module(name: str):

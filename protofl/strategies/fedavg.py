@@ -15,7 +15,7 @@ import numpy as np
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy
-from protofl.settings import MethodOptions
+from protofl.settings import KeptModel, MethodOptions
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class FedAvgOptions(MethodOptions):
     capturable: ClassVar[bool] = True  # no batch loss
 
     @property
-    def keeps_client_state(self) -> bool:
-        return self.personal_model == "local"
+    def keeps_model(self) -> KeptModel:
+        return "scores" if self.personal_model == "local" else None
 
 
 class FedAvgStrategy(PrototypeStrategy):
@@ -40,15 +40,6 @@ class FedAvgStrategy(PrototypeStrategy):
 
 class FedAvgClient(PrototypeClient):
     options_class = FedAvgOptions
-
-    def after_fit(self, statistics):
-        if self.options.personal_model == "local":
-            self.store_personal_model()
-        return {}
-
-    def prepare_evaluation(self, parameters, config):
-        if not (self.options.personal_model == "local" and self.restore_personal_model()):
-            self.load_shared(parameters)
 
 
 STRATEGY, CLIENT = FedAvgStrategy, FedAvgClient

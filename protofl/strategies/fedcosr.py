@@ -39,19 +39,19 @@ import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
-from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors, PayloadError
-from protofl.settings import MethodOptions
+from protofl.federation.wire import CONTRASTIVE_LOSS, GLOBAL_PROTOTYPES, ClassVectors, PayloadError
+from protofl.settings import KeptModel, MethodOptions
 from protofl.task.prototypes import aggregate_prototypes
 
 LOCAL_AGGREGATION_WEIGHT = "la-tau"  # tau of Eq. 7, reported by each client
-CONTRASTIVE_LOSS = "contrastive-loss"  # L_Reg: the last local epoch's mean InfoNCE
 CE_LOSS = "ce-loss"  # L_Per: the cross-entropy, averaged over the batches
-LOSS_KEYS = (CE_LOSS, CONTRASTIVE_LOSS)
+LOSS_KEYS = (CE_LOSS, CONTRASTIVE_LOSS)  # L_Per, and L_Reg: the last local epoch's mean InfoNCE
 
 
 @dataclass(frozen=True)
 class FedCoSROptions(MethodOptions):
-    keeps_client_state: ClassVar[bool] = True  # the personal model and L_Reg of its last epoch
+    keeps_model: ClassVar[KeptModel] = "trains"  # the personal model
+    keeps_client_state: ClassVar[bool] = True  # and L_Reg of its last epoch
     contrastive_weight: float = 1.0  # alpha (Eq. 14), not in the paper
     temperature: float = 0.1  # tau_CL (Eq. 13), not in the paper
     gamma: float = 1.0  # Eq. 7, not in the paper
@@ -170,7 +170,7 @@ class FedCoSRClient(PrototypeClient):
         """Set the model to [tau phi_local + (1 - tau) phi_global ; pi_local] (Eq. 8-9); returns tau.
 
         A client without a model of its own takes the global phi on the seeded initial head."""
-        if not self.restore_personal_model():
+        if not self.has_personal_model:
             self.load_shared(global_phi)
             return 0.0
         if self.options.local_aggregation == "fixed":
@@ -187,7 +187,7 @@ class FedCoSRClient(PrototypeClient):
         self.contrastive_sums: list[torch.Tensor] = []
         self.contrastive_counts: list[int] = []
 
-    def batch_loss(self, features, logits, labels):  # alpha * L_Reg (Eq. 13-14)
+    def batch_loss(self, features, logits, labels, inputs):  # alpha * L_Reg (Eq. 13-14)
         if self.prototypes is None:
             return None  # the first round: CE only
         weight = self.options.contrastive_weight
@@ -207,13 +207,12 @@ class FedCoSRClient(PrototypeClient):
             l_reg = float(torch.stack(self.contrastive_sums[-last:]).sum()) / counted
             self.local_state[LAST_CONTRASTIVE_LOSS] = np.float64(l_reg)
             metrics[CONTRASTIVE_LOSS] = l_reg
-        self.store_personal_model()
         return metrics
 
     def prepare_evaluation(self, parameters, config):
         """PM: the client's own model after its last local training (``after-fit``), or the model
         it would start the next round from (``after-aggregation``, PFLlib's point)."""
-        if self.options.evaluate_at == "after-aggregation" or not self.restore_personal_model():
+        if self.options.evaluate_at == "after-aggregation" or not self.has_personal_model:
             self._local_aggregation(parameters, self.global_prototypes(config))
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import PayloadError
-from protofl.settings import ExperimentSettings, MethodOptions
+from protofl.settings import ExperimentSettings, KeptModel, MethodOptions
 from protofl.task.models import SplitModel
 from protofl.task.prototypes import robust_class_means
 from protofl.task.robust import RobustRule
@@ -43,7 +43,7 @@ PROTOTYPES = "prototypes"  # W, C x d unit rows, broadcast in the fit and evalua
 
 @dataclass(frozen=True)
 class FedNHOptions(MethodOptions):
-    keeps_client_state: ClassVar[bool] = True  # the personal model
+    keeps_model: ClassVar[KeptModel] = "scores"  # PM: the model right after its last local training
     capturable: ClassVar[bool] = True  # no batch loss
     max_grad_norm: ClassVar[float] = 10.0  # [code]: each step's gradient clipped at total norm 10
     rho: float = 0.9
@@ -205,16 +205,6 @@ class FedNHClient(PrototypeClient):
 
     def prototype_vectors(self, features, logits):
         return F.normalize(features, dim=1)  # Eq. 3: class means of the normalised features
-
-    def after_fit(self, statistics):
-        self.store_personal_model()
-        return {}
-
-    def prepare_evaluation(self, parameters, config):
-        """PM: the model right after this client's last local training; the global model (with
-        the broadcast prototypes) on a client that has not trained yet."""
-        if not self.restore_personal_model():
-            self.receive(parameters, config)
 
 
 STRATEGY, CLIENT = FedNHStrategy, FedNHClient

@@ -28,9 +28,10 @@ import torch
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
-from protofl.settings import MethodOptions
+from protofl.settings import KeptModel, MethodOptions
 from protofl.task.prototypes import PrototypeWeighting, aggregate_prototypes
-from protofl.task.train import PrototypePass, head_prediction, nearest_prototype
+from protofl.task.inference import head_prediction, nearest_prototype
+from protofl.task.statistics import PrototypePass
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class FedProtoOptions(MethodOptions):
     capturable: ClassVar[bool] = True  # prototype_loss: fixed shapes, no host sync
 
     @property
-    def keeps_client_state(self) -> bool:
-        return not self.average_parameters  # the personal model
+    def keeps_model(self) -> KeptModel:
+        return None if self.average_parameters else "trains"  # the personal model
 
     def shares(self, name: str) -> bool:
         return self.average_parameters
@@ -87,8 +88,6 @@ class FedProtoClient(PrototypeClient):
     options_class = FedProtoOptions
 
     def receive(self, parameters, config):
-        if not self.options.average_parameters:
-            self.restore_personal_model()
         self.load_shared(parameters)
         self.received_prototypes = self.global_prototypes(config)
         if self.received_prototypes is not None and self.options.prototype_classes == "own":
@@ -98,7 +97,7 @@ class FedProtoClient(PrototypeClient):
             held = torch.from_numpy(self.data.class_counts() > 0).to(available.device)
             self.received_prototypes = (prototypes, available & held)
 
-    def batch_loss(self, features, logits, labels):
+    def batch_loss(self, features, logits, labels, inputs):
         if self.received_prototypes is None or self.options.lambda_ <= 0:
             return None
         return self.options.lambda_ * prototype_loss(features, labels, *self.received_prototypes)
@@ -111,11 +110,6 @@ class FedProtoClient(PrototypeClient):
             return {}
         prototypes, available = self.received_prototypes
         return {"received_prototypes": prototypes, "available_classes": available}
-
-    def after_fit(self, statistics):
-        if not self.options.average_parameters:
-            self.store_personal_model()
-        return {}
 
     def predictors(self):
         predictors = {"head": head_prediction}

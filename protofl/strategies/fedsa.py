@@ -38,10 +38,11 @@ from torch import nn
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
-from protofl.settings import ExperimentSettings, MethodOptions
+from protofl.settings import ExperimentSettings, KeptModel, MethodOptions
 from protofl.task.models import MODEL_FAMILIES, SeededDraws
 from protofl.task.prototypes import aggregate_prototypes
-from protofl.task.train import PrototypePass, head_prediction, nearest_prototype
+from protofl.task.inference import head_prediction, nearest_prototype
+from protofl.task.statistics import PrototypePass
 
 ANCHORS = "anchors"  # A, C x D, broadcast in the fit and evaluate config
 PROTO_AGGS = {"mean": "uniform", "weighted": "count"}  # -> aggregate_prototypes' weighting
@@ -50,7 +51,8 @@ LOSS_KEYS = ("regularization-loss", "margin-contrastive-loss", "calibration-loss
 
 @dataclass(frozen=True)
 class FedSAOptions(MethodOptions):
-    keeps_client_state: ClassVar[bool] = True  # the personal model and its margin
+    keeps_model: ClassVar[KeptModel] = "trains"  # the personal model
+    keeps_client_state: ClassVar[bool] = True  # and its margin
     lambda_r: float = 10.0  # lambda_1; the paper writes 0.1, every official script runs 10 with this MSE form
     lambda_mcl: float | Literal["auto"] = "auto"  # lambda_2: "auto" = 0.01 for one architecture, 1.0 for a family
     lambda_cc: float = 1.0  # lambda_3
@@ -74,6 +76,9 @@ class FedSAOptions(MethodOptions):
 
     def shares(self, name: str) -> bool:
         return False  # prototypes only: every client may run its own architecture
+
+    def resolved(self, settings: ExperimentSettings) -> dict[str, float]:
+        return {"lambda-mcl": self.mcl_weight(settings)} if self.lambda_mcl == "auto" else {}
 
     def mcl_weight(self, settings: ExperimentSettings) -> float:
         """lambda_2: the paper's 0.01 under statistical heterogeneity only, 1.0 with a model family."""
@@ -207,7 +212,6 @@ class FedSAClient(PrototypeClient):
         self.lambda_mcl = self.options.mcl_weight(self.settings)
 
     def receive(self, parameters, config):
-        self.restore_personal_model()
         anchors = self.received_class_vectors(config, ANCHORS)
         if anchors is None:
             raise ValueError("FedSA: the server sent no anchors")
@@ -231,7 +235,7 @@ class FedSAClient(PrototypeClient):
         classes, means = batch_class_means(features, labels)
         return (means - anchors[classes]).norm(dim=1).sum(), margin_contrastive_loss(means, classes, anchors, margin)
 
-    def batch_loss(self, features, logits, labels):
+    def batch_loss(self, features, logits, labels, inputs):
         regularization, contrastive = self._regularization_and_contrastive(features, labels, self.anchors, self.margin)
         calibration = anchor_calibration_loss(self.model.head, self.anchors)
         self.record_loss(**dict(zip(LOSS_KEYS, (regularization, contrastive, calibration))))
@@ -254,7 +258,6 @@ class FedSAClient(PrototypeClient):
             self.local_state.pop(PROTOTYPE_MARGIN, None)  # one class: no margin of its own (the code's -inf)
         else:
             self.local_state[PROTOTYPE_MARGIN] = np.float64(own_margin)
-        self.store_personal_model()
         return {}
 
     def predictors(self):

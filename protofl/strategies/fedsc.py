@@ -50,7 +50,7 @@ from protofl.task.prototypes import (
     neighbour_merge,
     sigmoid_discrepancy_weights,
 )
-from protofl.task.train import PostOrLastEpochPass
+from protofl.task.statistics import PostOrLastEpochPass
 
 # broadcast in the fit config only
 RELATIONAL_PROTOTYPES = "relational-prototypes"  # one row per (client, class held)
@@ -210,7 +210,7 @@ class FedSCClient(PrototypeClient):
         arrays = (relational, labels, consistent.vectors, consistent.mask)
         self.server_prototypes = tuple(torch.from_numpy(a).to(self.device) for a in arrays)
 
-    def batch_loss(self, features, logits, labels):
+    def batch_loss(self, features, logits, labels, inputs):
         if self.server_prototypes is None:
             return None  # round 1: CE only
         relational, relational_labels, consistent, mask = self.server_prototypes

@@ -50,7 +50,7 @@ from protofl.federation.wire import ClassStatistics, ClassVectors, server_round
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import SimilarityNorm, multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
 from protofl.task.robust import RobustRule, robust_mean
-from protofl.task.train import PostOrLastEpochPass
+from protofl.task.statistics import PostOrLastEpochPass
 
 GLOBAL_KNOWLEDGE = "global-knowledge"  # ClassVectors, C x C, in the fit config only
 LCL_LOSS = "lcl-loss"
@@ -259,7 +259,7 @@ class FedSKCClient(PrototypeClient):
         warmup = self.options.lcl_warmup_rounds
         self.lcl_weight = self.options.lambda_lcl * (min(server_round(config) / warmup, 1.0) if warmup > 0 else 1.0)
 
-    def batch_loss(self, features, logits, labels):
+    def batch_loss(self, features, logits, labels, inputs):
         if self.global_knowledge is None:
             return None  # round 1: CE only
         o = self.options

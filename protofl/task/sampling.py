@@ -20,3 +20,9 @@ def sample_partitions(
 def client_seed(seed: int, server_round: int, partition_id: int) -> int:
     """Seed for one client's local work in one round."""
     return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
+
+
+def server_seed(seed: int, server_round: int) -> int:
+    """Seed for the server's own work in one round (server-side training): a stream apart from
+    every client's (:func:`client_seed`), by its spawn key."""
+    return int(np.random.SeedSequence([seed, server_round], spawn_key=(1,)).generate_state(1)[0])

@@ -14,6 +14,7 @@ Only numbers and strings are stored (no pickles): ``np.load(..., allow_pickle=Fa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,14 +86,22 @@ PFLLIB_CNN_NAMES = {
 }
 
 
+@functools.lru_cache(maxsize=64)
+def _directions(size: int, projections: int) -> np.ndarray:
+    """The fixed Gaussian directions of arrays of ``size`` entries, drawn once (drawing them is most of
+    a fingerprint's time, and a test fingerprints many arrays of a model's few sizes)."""
+    directions = np.random.default_rng(size).standard_normal((projections, size))
+    directions.flags.writeable = False
+    return directions
+
+
 def fingerprint(array, projections: int = 8) -> np.ndarray:
     """A few numbers that stand for a large array (model weights a fixture cannot hold in full):
     its sum, its L2 norm and its projections onto ``projections`` fixed Gaussian directions
     (seeded by the array's size), in float64. Two arrays that differ by d have projections that
     differ by about |d| each, so comparing fingerprints with a tolerance compares the arrays."""
     flat = np.asarray(array, dtype=np.float64).ravel()
-    directions = np.random.default_rng(flat.size).standard_normal((projections, flat.size))
-    return np.concatenate([[flat.sum(), np.linalg.norm(flat)], directions @ flat])
+    return np.concatenate([[flat.sum(), np.linalg.norm(flat)], _directions(flat.size, projections) @ flat])
 
 
 def save_fixture(

@@ -58,7 +58,7 @@ def run_ours(seed: int, overrides: dict) -> dict[str, list[float]]:
 
     import protofl.federation.client as client_module
     from protofl.strategies.fednh import FedNHStrategy
-    from protofl.task.train import features_and_logits
+    from protofl.task.inference import features_and_logits
 
     with_previous: list[float] = []
     norms: list[tuple[bool, float]] = []  # (first step of a local round, norm) of the round going on

@@ -1,0 +1,124 @@
+"""The half of the server template that a method's server rule is written against: its hooks
+(what it checks, broadcasts, expects uploaded and computes from the accepted updates), the helpers
+that apply the run's robust rules and seeds to it, and the run of the rule each round, whose output
+is checked before anything goes out (:class:`ServerRule`, a base of
+:class:`~protofl.federation.server.PrototypeStrategy`)."""
+
+from __future__ import annotations
+
+from logging import WARNING
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from flwr.common.logger import log
+
+from protofl.federation.admission import Admission, ClientUpdate, output_problem
+from protofl.federation.partitions import PartitionDiscovery
+from protofl.federation.server_state import MethodState, server_generator
+from protofl.federation.wire import ArraySpec
+from protofl.settings import ExperimentSettings, MethodOptions
+from protofl.task.models import SeededDraws
+from protofl.task.robust import robust_average_layers
+from protofl.task.sampling import server_seed
+
+
+class ServerRule:
+    """A method's server rule and what it may use (set by :class:`~protofl.federation.server.PrototypeStrategy`:
+    ``settings``, ``options``, ``initial_weights``, ``shared_indices``, ``admission``, ``discovery``,
+    ``method_state``, ``device``)."""
+
+    options_class: type[MethodOptions] = MethodOptions
+    state_fields: tuple[str, ...] = ()
+    settings: ExperimentSettings
+    options: MethodOptions
+    initial_weights: list[np.ndarray]
+    shared_indices: list[int]
+    admission: Admission
+    discovery: PartitionDiscovery
+    method_state: MethodState
+    device: torch.device
+
+    # --- hooks for methods --------------------------------------------------------------
+
+    def check_update(self, update: ClientUpdate) -> None:
+        """Method-specific checks of a decoded update; raise :class:`PayloadError` to drop it."""
+
+    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
+        """Arrays sent to every client in the fit and evaluate config."""
+        return {}
+
+    def broadcast_to(self, server_round: int, partition_id: int) -> dict[str, np.ndarray]:
+        """Arrays sent to the client of ``partition_id`` only, beside :meth:`broadcast`'s."""
+        return {}
+
+    def upload_specs(self) -> dict[str, ArraySpec]:
+        """The named arrays each client uploads besides its parameters and class statistics, and
+        what each must be (shape, dtype): a reply without one of them, or with one that is not so
+        or not finite, is dropped."""
+        return {}
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
+        """Server rule: new global parameters (the shared entries), or None when none are shared."""
+        raise NotImplementedError
+
+    # --- helpers for server rules -------------------------------------------------------
+
+    def average_parameters(
+        self, updates: Sequence[ClientUpdate], weights: Sequence[float] | None = None
+    ) -> list[np.ndarray]:
+        """The clients' parameters under the run's ``aggregation`` rule: with ``method``, their
+        layer-wise mean weighted by ``weights`` (default: the training sizes)."""
+        weights = [u.num_examples for u in updates] if weights is None else weights
+        s = self.settings
+        return robust_average_layers(
+            [u.parameters for u in updates], weights, s.aggregation, s.trim_fraction, self.admission.sent_parameters
+        )
+
+    @property
+    def prototype_rule(self) -> dict[str, Any]:
+        """Keyword arguments that apply the run's ``prototype-aggregation`` rule to class vectors."""
+        return {"rule": self.settings.prototype_aggregation, "trim_fraction": self.settings.trim_fraction}
+
+    def server_generator(self, server_round: int) -> torch.Generator:
+        """The server's own random draws in ``server_round`` (server-side training on :attr:`device`),
+        from the run seed: a resumed run draws what the uninterrupted one drew."""
+        return server_generator(self.settings.seed, server_round)
+
+    def seeded(self, server_round: int = 0) -> SeededDraws:
+        """Within, torch's draws that take no generator come from the server's stream of
+        ``server_round`` (round 0: a server-side module's initial values), on any thread."""
+        return SeededDraws(server_seed(self.settings.seed, server_round))
+
+    @property
+    def num_clients(self) -> int:
+        """The federation's number of clients (partitions), as discovery knows it."""
+        return self.discovery.registry.num_partitions or len(self.discovery.nodes)
+
+    def shared_weights(self) -> list[np.ndarray]:
+        """Initial values of the model entries exchanged with clients, in order: sent in round 1,
+        and the shapes and dtypes every client's parameters must have."""
+        return [self.initial_weights[i] for i in self.shared_indices]
+
+    # --- the rule's run ---------------------------------------------------------------------
+
+    def apply_rule(self, server_round: int, updates: list[ClientUpdate]) -> tuple[list[np.ndarray] | None, str | None]:
+        """The server rule on the accepted updates, its output checked: (new parameters, None), or
+        (None, why) with the method's state as before the round."""
+        saved = self.method_state.snapshot()
+        try:
+            new_parameters = self.aggregate_updates(server_round, updates)
+            problem = output_problem(new_parameters, self.shared_weights(), self.next_broadcasts(server_round + 1))
+        except Exception as err:  # the rule must not end the run on what clients sent
+            new_parameters, problem = None, f"the server rule failed: {type(err).__name__}: {err}"
+        if problem is None:
+            return new_parameters, None
+        self.method_state.restore(saved)
+        log(WARNING, "round %d: %s; the previous global state is kept", server_round, problem)
+        return None, problem
+
+    def next_broadcasts(self, server_round: int) -> dict[str, np.ndarray]:
+        """What ``server_round`` would send: :meth:`broadcast`'s arrays, and each known partition's own
+        (``<partition>:<name>``), for the check that nothing non-finite goes out."""
+        own = {f"{p}:{k}": v for p in sorted(self.discovery.nodes) for k, v in self.broadcast_to(server_round, p).items()}
+        return self.broadcast(server_round) | own

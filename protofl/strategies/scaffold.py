@@ -1,0 +1,116 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020): stochastic controlled averaging.
+
+Server and clients keep control variates, one array per trainable parameter: the server's c,
+broadcast every round, and each client's c_i, kept on its node (zero before its first training).
+
+Client (Algorithm 1): each local step is y <- y - eta (g(y) + c - c_i) (line 10: the offset
+c - c_i added to every step's gradient); after its K steps (K = epochs x steps per epoch, eta the
+round's learning rate) c_i+ = c_i - c + (x - y) / (K eta) (line 12, option II), kept; it uploads y
+(its parameters) and Delta c = c_i+ - c_i (line 13) as the named arrays ``control-delta/<i>``.
+
+Server (lines 16-17): x <- x + eta_g * mean over the round's clients of (y_i - x), uniform (the
+paper's and PFLlib's), and c <- c + (1 / N) * sum of their Delta c, N the federation's clients.
+``server-lr`` (eta_g) is 1 by default (the paper's experiments and PFLlib's).
+
+The paper's local steps are plain SGD: with momentum or weight decay (the run's ``momentum``,
+``weight-decay``) (x - y) / (K eta) is no longer the mean corrected gradient; the run goes on, as
+PFLlib's would not (it has neither).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.wire import ArraySpec, indexed, server_round
+from protofl.settings import MethodOptions
+
+CONTROL, CONTROL_DELTA = "control", "control-delta"  # c (broadcast), Delta c (uploaded), per parameter
+CLIENT_CONTROL = "control/"  # local_state names of c_i's arrays
+
+
+@dataclass(frozen=True)
+class SCAFFOLDOptions(MethodOptions):
+    statistics: ClassVar[None] = None  # parameters and control variates
+    keeps_client_state: ClassVar[bool] = True  # c_i
+    server_lr: float = 1.0  # eta_g
+
+    capturable: ClassVar[bool] = True  # a constant offset per gradient
+
+    def check(self) -> None:
+        if self.server_lr <= 0:
+            raise ValueError(f"scaffold.server-lr must be > 0, got {self.server_lr}")
+
+
+def client_control_update(client_control: list[np.ndarray], control: list[np.ndarray], start: list[np.ndarray],
+                          trained: list[np.ndarray], steps: int, lr: float) -> list[np.ndarray]:
+    """c_i+ = c_i - c + (x - y) / (K eta) (Algorithm 1, line 12, option II), in float64, each in its dtype."""
+    return [(ci.astype(np.float64) - c + (x.astype(np.float64) - y) / (steps * lr)).astype(ci.dtype)
+            for ci, c, x, y in zip(client_control, control, start, trained)]
+
+
+class SCAFFOLDStrategy(PrototypeStrategy):
+    options_class = SCAFFOLDOptions
+    state_fields = ("control",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.control = [np.zeros(tuple(p.shape), p.detach().cpu().numpy().dtype) for p in parameters]  # c
+
+    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
+        return indexed(CONTROL, self.control)
+
+    def upload_specs(self) -> dict[str, ArraySpec]:
+        return {name: ArraySpec.like(c) for name, c in indexed(CONTROL_DELTA, self.control).items()}
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
+        start = self.admission.sent_parameters  # x
+        mean = self.average_parameters(updates, [1.0] * len(updates))  # x + mean(y_i - x)
+        eta = self.options.server_lr
+        parameters = [m if x.dtype.kind != "f" else (x + eta * (m.astype(np.float64) - x)).astype(x.dtype)
+                      for m, x in zip(mean, start)]  # line 16
+        deltas = [sum(u.uploads[f"{CONTROL_DELTA}/{i}"].astype(np.float64) for u in updates)
+                  for i in range(len(self.control))]
+        self.control = [(c + d / self.num_clients).astype(c.dtype) for c, d in zip(self.control, deltas)]  # line 17
+        return parameters
+
+
+class SCAFFOLDClient(PrototypeClient):
+    options_class = SCAFFOLDOptions
+
+    def receive(self, parameters, config):
+        self.load_shared(parameters)
+        self.trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.start = [p.detach().cpu().numpy().copy() for _, p in self.trained]  # x
+        control = self.received_like(config, CONTROL, [p for _, p in self.trained])
+        if control is None:
+            raise ValueError("SCAFFOLD: the server sent no control variate")
+        self.control = control  # c
+        self.client_control = [self.local_state.get(CLIENT_CONTROL + n, np.zeros_like(x))
+                               for (n, _), x in zip(self.trained, self.start)]  # c_i
+        self.lr = self.settings.round_lr(server_round(config))  # eta
+
+    def gradient_offsets(self):
+        return {name: c - c.new_tensor(ci) for (name, _), c, ci in zip(self.trained, self.control, self.client_control)}
+
+    def after_fit(self, statistics):
+        """c_i+ (line 12), kept; Delta c = c_i+ - c_i for the upload (line 13)."""
+        steps = self.settings.local_epochs * self.steps_per_epoch()  # K
+        control = [c.cpu().numpy() for c in self.control]
+        trained = [p.detach().cpu().numpy() for _, p in self.trained]
+        updated = client_control_update(self.client_control, control, self.start, trained, steps, self.lr)
+        self.control_delta = [(new.astype(np.float64) - old).astype(new.dtype)
+                              for new, old in zip(updated, self.client_control)]
+        self.local_state.update({CLIENT_CONTROL + n: c for (n, _), c in zip(self.trained, updated)})
+        return {}
+
+    def uploads(self):
+        return indexed(CONTROL_DELTA, self.control_delta)
+
+
+STRATEGY, CLIENT = SCAFFOLDStrategy, SCAFFOLDClient
