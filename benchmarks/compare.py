@@ -12,6 +12,13 @@ what the Flower home happens to hold); the script then writes
 ``<out>/comparison.png`` and prints the table. ``--include DIR`` adds the runs of an earlier
 invocation (``DIR/<label>/results.json``) to the table, so runs made apart can be compared.
 
+A table preset (``presets/*-table*.toml``) names its methods on a ``# methods:`` line (and runs of
+its own on ``# variant: LABEL=OVERRIDES`` lines): ``--preset`` with neither ``--methods`` nor
+``--variant`` runs every one of them, each with the preset's settings and its own method table::
+
+    python benchmarks/compare.py --preset presets/fmnist-fedskc-table1.toml --seeds 0 1 2 --baseline fedavg \
+        --sweep "alpha=0.05,0.2" --out runs/fmnist-fedskc-table1
+
 Repeats: ``--seeds 0 1 2`` runs everything once per training seed (``<out>/<label>/seed-<s>/``;
 the split stays, it follows ``partition-seed``) and reports mean ± std per run over its seeds,
 ``--baseline LABEL`` the paired difference of each run to that one with a 95 % interval, and the
@@ -150,6 +157,15 @@ def preset_federation(path: Path) -> str:
     return found.group(1).strip() if found else ""
 
 
+def preset_runs(path: Path) -> list[tuple[str, str]]:
+    """A table preset's runs: (label, overrides) of each method its ``# methods:`` lines name and of
+    each ``# variant: LABEL=OVERRIDES`` line ([] for a preset of one run)."""
+    text = path.read_text()
+    methods = [m for line in re.findall(r"^# methods:(.*)$", text, re.M) for m in line.split()]
+    variants = [line.strip().partition("=") for line in re.findall(r"^# variant:(.*)$", text, re.M)]
+    return [(m, f"method='{m}'") for m in methods] + [(label, overrides) for label, _, overrides in variants]
+
+
 def swept(runs: list[tuple[str, str]], sweeps: list[str]) -> list[tuple[str, str]]:
     """Every run once per value of every ``KEY=V1,V2,...`` (their product); labels get ``_KEY=V``."""
     for sweep in sweeps:
@@ -167,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=OVERRIDES",
                         help="extra run with its own run-config overrides, e.g. \"fedproto-avg=method='fedproto' "
                              "fedproto.average-parameters=true\"")
-    parser.add_argument("--preset", type=Path, help="a preset file (presets/*.toml): every run starts from it")
+    parser.add_argument("--preset", type=Path, help="a preset file (presets/*.toml): every run starts from it; "
+                        "without --methods and --variant, a table preset's runs (its # methods: and # variant: lines)")
     parser.add_argument("--run-config", default="", help="run-config overrides shared by every run (after --preset)")
     parser.add_argument("--federation-config", default="", help="e.g. \"num-supernodes=20\" (default: the preset's "
                         "`# federation-config:` line; what it leaves out: 10 SuperNodes of 1 CPU)")
@@ -185,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variant:
         label, _, overrides = variant.partition("=")
         runs.append((label, overrides))
+    if not runs and args.preset:  # a table preset: every run it names
+        runs = preset_runs(args.preset)
     runs = swept(runs, args.sweep)
     if not runs and not args.include:
         parser.error("give --methods, --variant and/or --include")

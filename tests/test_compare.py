@@ -119,3 +119,23 @@ def test_every_run_names_its_federation_whatever_flower_home_holds(tmp_path, mon
     assert sent == ["num-supernodes=10 client-resources-num-cpus=1",
                     "num-supernodes=20 client-resources-num-cpus=1",
                     "num-supernodes=100 client-resources-num-gpus=0.0999 client-resources-num-cpus=1"]
+
+
+def test_a_table_preset_runs_every_method_it_names_each_with_the_presets_settings(tmp_path, monkeypatch):
+    compare, sent = load_compare(), []
+
+    def flwr_run(command, **_):
+        sent.append(command[command.index("--run-config") + 1])
+        return SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(compare.subprocess, "run", flwr_run)
+    preset = tmp_path / "table.toml"
+    preset.write_text("# methods: fedavg moon\n# methods: fedsc\n# variant: fedsc-code=method='fedsc' fedsc.rpcl-form='code'\n"
+                      "method = \"fedskc\"\nalpha = 0.05\n\n[moon]\nmu = 5.0\n")
+    compare.main(["--preset", str(preset), "--run-config", "alpha=0.2", "--out", str(tmp_path)])
+    assert [compare.config_pairs(config)["method"] for config in sent] == ["'fedavg'", "'moon'", "'fedsc'", "'fedsc'"]
+    assert all(compare.config_pairs(config)["alpha"] == "0.2" and "moon.mu=5.0" in config for config in sent)
+    assert "fedsc.rpcl-form='code'" in sent[-1]
+    sent.clear()
+    compare.main(["--preset", str(preset), "--methods", "fedprox", "--out", str(tmp_path)])  # named: only those
+    assert [compare.config_pairs(config)["method"] for config in sent] == ["'fedprox'"]

@@ -50,6 +50,29 @@ def test_preset_parses_into_known_keys_and_valid_settings(path):
     assert f"--run-config presets/{path.name}" in path.read_text()
 
 
+TABLES = {  # each seed paper's comparison table: its methods (baselines.md), in its order
+    "fedskc-table1": ["fedavg", "fedprox", "scaffold", "fedopt", "moon", "fedproto", "fednh", "fedrcl", "fedskc"],
+    "fedsc-table1": ["fedavg", "fedprox", "moon", "fedntd", "fedproto", "fednh", "fedrcl", "fedsc"],
+}
+
+
+@pytest.mark.parametrize("path", [p for p in PRESETS if "-table" in p.stem], ids=lambda p: p.stem)
+def test_a_table_preset_names_its_papers_methods_each_valid_with_its_settings(path):
+    """benchmarks/compare.py --preset runs every method of a table preset (its # methods: lines)."""
+    text = path.read_text()
+    methods = [m for line in re.findall(r"^# methods:(.*)$", text, re.M) for m in line.split()]
+    assert methods == next(v for k, v in TABLES.items() if k in path.stem)
+    preset = DEFAULTS | parse_config_args([str(path)])
+    for method in methods:
+        settings = ExperimentSettings.from_run_config(preset | {"method": method})
+        get_method(method)[0].options_class.from_settings(settings)
+
+
+def test_each_table_has_a_preset_on_cifar_and_on_fashion_mnist():
+    names = {p.stem for p in PRESETS}
+    assert {f"{table}-cifar10" for table in TABLES} | {f"fmnist-{table}" for table in TABLES} <= names
+
+
 @pytest.fixture(scope="module")
 def data_dirs(tmp_path_factory):
     """Generated files in each data set's real on-disk format (random pixels, every class present)."""
