@@ -37,7 +37,8 @@ def wrap_supernode_connection(wraps: dict[str, Callable[[Callable[..., Any]], Ca
         with connect(*args, **kwargs) as connection:
             if len(connection) != len(CONNECTION):
                 raise RuntimeError(f"Flower's SuperNode connection yields {len(connection)} items, protofl knows "
-                                   f"{len(CONNECTION)} ({', '.join(CONNECTION)}): protofl/flower_compat.py needs an update")
+                                   f"{len(CONNECTION)} ({', '.join(CONNECTION)}): "
+                                   "protofl/flower_compat.py needs an update")
             yield tuple(wraps[name](call) if name in wraps else call for name, call in zip(CONNECTION, connection))
 
     init_connection.protofl_fixed = True

@@ -7,8 +7,8 @@ each instruction (:mod:`protofl.federation.wire`).
 Flower flattens the nested tables of ``[tool.flwr.app.config]`` into dotted keys, so the FedProto
 table arrives as ``run_config["fedproto.lambda"]``. A method reads its own table as a
 :class:`MethodOptions` subclass: one typed mechanism for top-level keys and method options alike
-(:func:`~protofl.typed_fields.parse_fields`): unknown keys are errors, each value must have its field's type, and a
-``Literal[...]`` field lists its allowed values.
+(:func:`~protofl.typed_fields.parse_fields`): unknown keys are errors, each value must have its
+field's type, and a ``Literal[...]`` field lists its allowed values.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overw
 
 
 # How a client keeps its model across rounds (MethodOptions.keeps_model), stored after each fit
-# in its local state: "trains", it is restored before each round's receive (the shared entries are
-# then loaded over it) and scored; "scores", the client trains from what the server sends, and its
-# model after training is scored; "kept", only the method reads it (MOON's previous model); None.
+# in its local state: "trains", it is restored before each round's receive and before scoring, the
+# shared entries then loaded over it; "scores", the client trains from what the server sends, and
+# its model after training is scored; "kept", only the method reads it (MOON's previous model); None.
 KeptModel = Literal["trains", "scores", "kept"] | None
 
 

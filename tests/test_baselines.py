@@ -21,7 +21,7 @@ from protofl.strategies.fedopt import FedOptOptions, FedOptStrategy, server_step
 from protofl.strategies.fedprox import FedProxClient, proximal_term
 from protofl.strategies.fedrcl import FedRCLClient, feature_levels, relaxed_contrastive_terms
 from protofl.strategies.moon import MOONClient, model_contrastive_loss
-from protofl.strategies.scaffold import SCAFFOLDClient, SCAFFOLDStrategy, client_control_update
+from protofl.strategies.scaffold import SCAFFOLDClient, SCAFFOLDStrategy, client_control_update, step_multipliers
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.models import BasicBlock, build_model
 from protofl.task.train import train
@@ -96,6 +96,33 @@ def test_client_control_update_option_two():
 
 def adam(**kwargs):
     return FedOptOptions(optimizer="adam", **kwargs)
+
+
+def test_step_multipliers_count_each_gradient_as_often_as_the_momentum_applies_it():
+    assert step_multipliers(5, 0.0) == 5.0  # plain SGD: K
+    # K = 3, beta = 0.5: the steps' gradients are applied (1 + .5 + .25) + (1 + .5) + 1 = 4.25 times
+    assert step_multipliers(3, 0.5) == pytest.approx(4.25, rel=1e-15)
+
+
+def test_a_server_optimiser_steps_the_parameters_and_averages_the_batchnorm_statistics(tmp_path):
+    """FedOpt and SCAFFOLD (eta_g 2) on a BatchNorm ResNet: a running variance is averaged, never
+    stepped (a step could drive it below zero), and so is the batch count."""
+    for method, options in (("fedopt", {"optimizer": "adam", "eta": 1.0, "tau": 0.1}), ("scaffold", {"server-lr": 2.0})):
+        strategy = strategy_for(method, tmp_path / method, options, model="resnet10")
+        start_round(strategy, [0, 1])
+        x0 = strategy.shared_weights()
+        replies = [reply(p, shifted(x0, by), 10, **{k: encode_array(np.zeros_like(c)) for k, c in
+                                                    indexed("control-delta", getattr(strategy, "control", [])).items()})
+                   for p, by in ((0, 1.0), (1, 3.0))]
+        x1 = parameters_to_ndarrays(strategy.aggregate_fit(1, replies, [])[0])
+        names = list(strategy.model.state_dict())
+        for name, new, old in zip(names, x1, x0):
+            if "running" in name or "num_batches" in name:
+                np.testing.assert_allclose(new.astype(np.float64) - old, 2.0, err_msg=name)  # the mean
+            elif method == "scaffold":
+                np.testing.assert_allclose(new.astype(np.float64) - old, 4.0, rtol=1e-6, err_msg=name)  # 2 x 2
+            else:
+                assert not np.allclose(new.astype(np.float64) - old, 2.0), name  # Adam's step, not the mean
 
 
 def test_fedopt_adam_two_rounds_on_one_entry():
@@ -265,6 +292,10 @@ def test_feature_levels_of_each_backbone():
     levels = feature_levels(vision)
     assert levels == [net.bn1, net.layer1, net.layer2, net.layer3, net.layer4]
     assert level_channels(vision, levels) == [64, 64, 128, 256, 512]
+
+    googlenet = meta_model("tv-googlenet")
+    net = next(m for m in googlenet.body.modules() if hasattr(m, "inception5b"))
+    assert feature_levels(googlenet) == [net.maxpool1, net.maxpool2, net.maxpool3, net.maxpool4, googlenet.body]
 
     mobilenet = meta_model("tv-mobilenetv2")
     with pytest.raises(ValueError, match="fedrcl.levels='feature'"):
@@ -515,6 +546,20 @@ def test_scaffold_client_first_and_second_fit(data, received, fedavg_trained):
         expected = (ci.astype(np.float64) - c + (x - y.astype(np.float64)) / (k * lr)) - ci  # c_i+ - c_i
         delta = decode_array(metrics[f"control-delta/{i}"], ArraySpec(x.shape), BIG)
         np.testing.assert_allclose(delta, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_scaffold_client_with_momentum_counts_each_gradient_as_often_as_it_was_applied(data, received):
+    """With momentum beta the K steps apply each corrected gradient sum_k (1 - beta^k) / (1 - beta)
+    times in all: c_i+ = (x - y) / (that sum x lr), so that c_i estimates the mean gradient."""
+    settings = ExperimentSettings(method="scaffold", local_epochs=1, batch_size=BATCH, momentum=0.5)
+    client = SCAFFOLDClient(settings, data, build_method_model(settings, data), 2, RecordDict())
+    zeros = [np.zeros_like(w) for w in received]
+    trained, _, metrics = client.fit(received, scaffold_config(zeros))
+    applied = step_multipliers(data.num_train // BATCH, 0.5)
+    assert data.num_train // BATCH < applied < 2 * (data.num_train // BATCH)
+    for i, (x, y) in enumerate(zip(received, trained)):
+        delta = decode_array(metrics[f"control-delta/{i}"], ArraySpec(x.shape), BIG)
+        np.testing.assert_allclose(delta, (x.astype(np.float64) - y) / (applied * 0.05), rtol=1e-5, atol=1e-7)
 
 
 def test_scaffold_client_without_the_server_control_is_a_clear_error(data, received):

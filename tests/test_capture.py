@@ -40,7 +40,8 @@ def data(n=70, device="cpu", seed=0):
 
 def plus_cross_entropy(extra_loss):
     """A training loop's loss: the cross-entropy plus ``extra_loss(features, logits, labels)``."""
-    return lambda inputs, features, logits, labels: F.cross_entropy(logits, labels) + extra_loss(features, logits, labels)
+    return lambda inputs, features, logits, labels: (F.cross_entropy(logits, labels)
+                                                     + extra_loss(features, logits, labels))
 
 
 def trained(cuda_graphs, model="cnn", device="cpu", extra_loss=None, **kwargs):
@@ -128,7 +129,8 @@ def client_training(cuda_graphs, seed, n=70, lr=0.05, device="cpu", model="cnn")
         parts.add(pull=pull)
         return 0.01 * pull
 
-    loss = train(net, x, y, loss=plus_cross_entropy(extra_loss), step_state=StepState((), {"target": target}, [seen, parts]),
+    loss = train(net, x, y, loss=plus_cross_entropy(extra_loss),
+                 step_state=StepState((), {"target": target}, [seen, parts]),
                  cuda_graphs=cuda_graphs, epochs=2, batch_size=16, lr=lr, seed=seed, momentum=0.9,
                  partial_batch="keep")
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss, seen, parts.means()

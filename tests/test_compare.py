@@ -75,18 +75,25 @@ def test_sweep_labels_every_run_once_per_value():
     assert runs[1][1] == "method='fedavg' lr=0.01 fedavg.weighted=false"
 
 
-def test_a_preset_key_given_again_is_one_override_the_later_value_wins(tmp_path, monkeypatch):
-    """The preset sets `method`, `lr` and `run-name`; `--run-config`, `--methods`, `--variant` and the runner
-    set them again. Flower refuses a run config that names a key twice: each run gets one value, the later."""
-    from flwr.common.config import parse_config_args
-
-    compare, sent = load_compare(), []
+def sent_run_configs(compare, monkeypatch) -> list[str]:
+    """The ``--run-config`` of every `flwr run` ``compare`` starts from now on (none runs: each fails)."""
+    sent = []
 
     def flwr_run(command, **_):
         sent.append(command[command.index("--run-config") + 1])
         return SimpleNamespace(returncode=1)
 
     monkeypatch.setattr(compare.subprocess, "run", flwr_run)
+    return sent
+
+
+def test_a_preset_key_given_again_is_one_override_the_later_value_wins(tmp_path, monkeypatch):
+    """The preset sets `method`, `lr` and `run-name`; `--run-config`, `--methods`, `--variant` and the runner
+    set them again. Flower refuses a run config that names a key twice: each run gets one value, the later."""
+    from flwr.common.config import parse_config_args
+
+    compare = load_compare()
+    sent = sent_run_configs(compare, monkeypatch)
     preset = tmp_path / "preset.toml"
     preset.write_text("method = \"fedavg\"\nlr = 0.05\nrun-name = \"x\"\nnote = \"two words\"\n")
     compare.main(["--preset", str(preset), "--run-config", "lr=0.1", "--methods", "fedskc",
@@ -122,15 +129,11 @@ def test_every_run_names_its_federation_whatever_flower_home_holds(tmp_path, mon
 
 
 def test_a_table_preset_runs_every_method_it_names_each_with_the_presets_settings(tmp_path, monkeypatch):
-    compare, sent = load_compare(), []
-
-    def flwr_run(command, **_):
-        sent.append(command[command.index("--run-config") + 1])
-        return SimpleNamespace(returncode=1)
-
-    monkeypatch.setattr(compare.subprocess, "run", flwr_run)
+    compare = load_compare()
+    sent = sent_run_configs(compare, monkeypatch)
     preset = tmp_path / "table.toml"
-    preset.write_text("# methods: fedavg moon\n# methods: fedsc\n# variant: fedsc-code=method='fedsc' fedsc.rpcl-form='code'\n"
+    preset.write_text("# methods: fedavg moon\n# methods: fedsc\n"
+                      "# variant: fedsc-code=method='fedsc' fedsc.rpcl-form='code'\n"
                       "method = \"fedskc\"\nalpha = 0.05\n\n[moon]\nmu = 5.0\n")
     compare.main(["--preset", str(preset), "--run-config", "alpha=0.2", "--out", str(tmp_path)])
     assert [compare.config_pairs(config)["method"] for config in sent] == ["'fedavg'", "'moon'", "'fedsc'", "'fedsc'"]

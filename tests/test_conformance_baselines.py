@@ -216,7 +216,8 @@ def test_scaffold_two_rounds_equal_pfllib(tmp_path):
                                 f"{prefix} c_i+ {name}", scale)
             delta = np.load(io.BytesIO(metrics[f"{CONTROL_DELTA}/{i}"]))  # the upload
             delta_scale = scale + c_i
-            _assert_fingerprint(delta, theirs[f"{prefix}.control_delta.{name}"], f"{prefix} Delta c {name}", delta_scale)
+            _assert_fingerprint(delta, theirs[f"{prefix}.control_delta.{name}"], f"{prefix} Delta c {name}",
+                                delta_scale)
             delta_scales[r, name] = delta_scales.get((r, name), 0.0) + delta_scale
 
     def check_server(r, strategy, sent_prefix):

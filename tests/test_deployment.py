@@ -1,6 +1,7 @@
 """Real SuperLink, SuperNode and SuperExec processes, started with docker-compose.yml's own command
 lines (deploy/compose_e2e.sh runs them in Docker), each in its own directory and Flower home, then
-`flwr run` of a 2-round FedProto run on digits. Loopback only, except for the network-namespace test, whose
+`flwr run` of a 2-round FedProto run on digits (and of SCAFFOLD, whose clients upload named arrays
+and keep control variates). Loopback only, except for the network-namespace test, whose
 addresses live on a bridge it creates and removes. Every process is killed by process group.
 """
 
@@ -27,8 +28,8 @@ NUM_NODES = 2
 RUN_TIMEOUT = 420
 
 
-def _run_fedproto(tmp_path, cli_home, name, extra=""):
-    run_config = f"method='fedproto' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'{extra}"
+def _run_fedproto(tmp_path, cli_home, name, extra="", method="fedproto"):
+    run_config = f"method='{method}' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'{extra}"
     run = native.flwr(cli_home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config],
                       timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -54,8 +55,9 @@ TRACKERS = all(importlib.util.find_spec(module) for module in ("tensorboard", "m
 @pytest.fixture(scope="module")
 def insecure(tmp_path_factory):
     """The insecure federation of the compose demo and a 2-round FedProto run on it, tracked with
-    TensorBoard and MLflow where the test extra installed them; its processes stopped afterwards.
-    Two tests read it: what the run learnt and kept, and what its ServerApp tracked."""
+    TensorBoard and MLflow where the test extra installed them, then a 2-round SCAFFOLD run; its
+    processes stopped afterwards. Three tests read it: what the runs learnt and kept, and what the
+    ServerApp tracked."""
     tmp = tmp_path_factory.mktemp("insecure")
     started = native.NativeDeployment(tmp / "services", native.environment(), credentials=tmp / "credentials")
     try:
@@ -64,9 +66,23 @@ def insecure(tmp_path_factory):
         native.start_federation(started, native.load_compose(), link, nodes)
         cli_home = native.cli_home(tmp / "cli-home", f"{link[0]}:{link[1]}")
         results = _run_fedproto(tmp, cli_home, "insecure", " tracker='tensorboard,mlflow'" if TRACKERS else "")
+        _run_fedproto(tmp, cli_home, "scaffold", method="scaffold")
     finally:
         _stop(started)
     return {"tmp": tmp, "services": started.workdir, "results": results}
+
+
+def in_one_process(method, tmp_path):
+    """The same run in one process, its clients with one torch thread as the nodes' ClientApps
+    (num-threads=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_in_process({"method": method, "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "direct"},
+                       num_nodes=NUM_NODES)
+    finally:
+        torch.set_num_threads(threads)
+    return tmp_path / "direct"
 
 
 def test_insecure_deployment_runs_fedproto(tmp_path, insecure):
@@ -76,17 +92,19 @@ def test_insecure_deployment_runs_fedproto(tmp_path, insecure):
         home = insecure["services"] / f"superexec-clientapp-{i}"
         assert len(list((home / ".cache" / "protofl").glob("client-data-*.npz"))) == 1
 
-    # the app is unchanged between the paths: the same run in one process, its clients with one torch
-    # thread as the nodes' ClientApps (num-threads=1), gives the same rounds, every number exactly (a
-    # Ray simulation gives the in-process numbers too: test_resume's flwr run kill test, FedSA's)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_in_process({"method": "fedproto", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "direct"},
-                       num_nodes=NUM_NODES)
-    finally:
-        torch.set_num_threads(threads)
-    assert_same_rounds(insecure["tmp"] / "insecure", tmp_path / "direct")
+    # the app is unchanged between the paths: the same run in one process gives the same rounds, every
+    # number exactly (a Ray simulation gives the in-process numbers too: test_resume's flwr run kill
+    # test, FedSA's)
+    assert_same_rounds(insecure["tmp"] / "insecure", in_one_process("fedproto", tmp_path))
+
+
+def test_a_deployment_carries_named_uploads_broadcasts_and_client_state(tmp_path, insecure):
+    """SCAFFOLD across processes: the server's control variate down, each client's Delta c up (named
+    arrays), c_i kept on the node between rounds: the rounds of the run in one process, exactly."""
+    results = json.loads((insecure["tmp"] / "scaffold" / "results.json").read_text())
+    assert [r["clients"] for r in results["rounds"]] == [list(range(NUM_NODES))] * 2
+    assert not any(r["dropped"] for r in results["rounds"])
+    assert_same_rounds(insecure["tmp"] / "scaffold", in_one_process("scaffold", tmp_path))
 
 
 def test_a_deployments_serverapp_tracks_the_run(insecure):

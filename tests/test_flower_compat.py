@@ -20,7 +20,8 @@ def test_the_supernode_unpacks_its_connection_into_the_names_protofl_wraps():
     order of ``CONNECTION``: the wrapper replaces the calls by those names."""
     tree = ast.parse(inspect.getsource(start_client_internal))
     opened = [item for node in ast.walk(tree) if isinstance(node, ast.With) for item in node.items
-              if isinstance(item.context_expr, ast.Call) and getattr(item.context_expr.func, "id", "") == "_init_connection"]
+              if isinstance(item.context_expr, ast.Call)
+              and getattr(item.context_expr.func, "id", "") == "_init_connection"]
     assert len(opened) == 1 and callable(start_client_internal._init_connection)
     connection = opened[0].optional_vars.id
     unpacked = [node.targets[0] for node in ast.walk(tree) if isinstance(node, ast.Assign)

@@ -3,6 +3,7 @@ of the method's own, gradient offsets, a module and its optimizer trained on the
 the checkpoint, a broadcast per client, and results.json's record of every "auto" setting."""
 
 import copy
+import io
 import json
 
 import numpy as np
@@ -134,6 +135,11 @@ def test_a_run_whose_server_trains_a_module_resumes_as_if_never_stopped(tmp_path
     assert parts.optimizer.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0
 
 
+def sent_own_arrays(messages) -> list[np.ndarray]:
+    return [np.load(io.BytesIO(ins.config["own-array"])) for kind, ins, _ in messages
+            if kind in ("fit", "evaluate") and "own-array" in ins.config]
+
+
 def test_each_client_receives_its_own_broadcast_and_a_non_finite_one_never_goes_out(tmp_path, monkeypatch):
     config = RUN | {"method": "own-broadcast", "output-dir": str(tmp_path), "fraction-fit": 1.0,
                     "num-server-rounds": 3}
@@ -141,13 +147,16 @@ def test_each_client_receives_its_own_broadcast_and_a_non_finite_one_never_goes_
         _, messages = run_in_process(config | {"run-name": "own"}, num_nodes=3)  # a client refuses another's array
         rounds = json.loads((tmp_path / "own" / "results.json").read_text())["rounds"]
         assert [r["clients"] for r in rounds] == [[0, 1, 2]] * 3 and not any(r["dropped"] for r in rounds)
-        monkeypatch.setattr(OwnBroadcastStrategy, "poisoned", {1})  # partition 1's array goes non-finite
+        monkeypatch.setattr(OwnBroadcastStrategy, "poisoned", {1})  # the rule makes partition 1's array non-finite
         _, messages = run_in_process(config | {"run-name": "poisoned"}, num_nodes=3)
-    rounds = json.loads((tmp_path / "poisoned" / "results.json").read_text())["rounds"]
-    assert all("'1:own-array' is not finite" in r["kept_previous"] for r in rounds)
-    for kind, ins, _ in messages:
-        if kind in ("fit", "evaluate") and "own-array" in ins.config:
-            assert np.isfinite(np.load(__import__("io").BytesIO(ins.config["own-array"]))).all()
+        rounds = json.loads((tmp_path / "poisoned" / "results.json").read_text())["rounds"]
+        assert all("'1:own-array' is not finite" in r["kept_previous"] for r in rounds)  # the rule's state kept
+        assert sent_own_arrays(messages) and all(np.isfinite(a).all() for a in sent_own_arrays(messages))
+        monkeypatch.setattr(OwnBroadcastStrategy, "broken", True)  # non-finite whatever the rule's state
+        _, messages = run_in_process(config | {"run-name": "broken"}, num_nodes=3)
+    results = json.loads((tmp_path / "broken" / "results.json").read_text())
+    assert results["stopped"] == "round 2: the broadcast '0:own-array' is not finite, so it is not sent"
+    assert all(np.isfinite(a).all() for a in sent_own_arrays(messages))
 
 
 # --- results.json: what ran --------------------------------------------------------------------------

@@ -63,7 +63,8 @@ class ServerHeadClient(PrototypeClient):
     def receive(self, parameters, config):
         self.load_shared(parameters)
         head = self.model.head.state_dict()
-        received = {name: self.received(config, f"{HEAD}/{name}", ArraySpec.like(t.numpy())) for name, t in head.items()}
+        received = {name: self.received(config, f"{HEAD}/{name}", ArraySpec.like(t.numpy()))
+                    for name, t in head.items()}
         if all(v is not None for v in received.values()):
             self.model.head.load_state_dict({name: torch.from_numpy(v) for name, v in received.items()})
 
@@ -75,13 +76,23 @@ class OwnBroadcastOptions(MethodOptions):
 
 class OwnBroadcastStrategy(PrototypeStrategy):
     options_class = OwnBroadcastOptions
+    state_fields = ("own",)
     poisoned: ClassVar[set[int]] = set()  # partitions whose array the rule makes non-finite
+    broken: ClassVar[bool] = False  # every client's array non-finite from round 2, whatever the rule
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.own: dict[str, np.ndarray] = {}  # partition -> its array
 
     def broadcast_to(self, server_round, partition_id):
-        value = np.nan if partition_id in self.poisoned and server_round > 1 else float(partition_id)
-        return {OWN: np.full(3, value, np.float32)}
+        if self.broken and server_round > 1:
+            return {OWN: np.full(3, np.nan, np.float32)}
+        return {OWN: self.own.get(str(partition_id), np.full(3, partition_id, np.float32))}
 
     def aggregate_updates(self, server_round, updates):
+        for u in updates:
+            value = np.nan if u.partition_id in self.poisoned else float(u.partition_id)
+            self.own[str(u.partition_id)] = np.full(3, value, np.float32)
         return self.average_parameters(updates)
 
 

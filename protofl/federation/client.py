@@ -10,9 +10,11 @@ the training split (``batchnorm-stats``) -> ``local_statistics`` (per-class mean
 keep, extra metrics) -> the model kept (``keeps_model``) -> the shared model entries, the training
 size, the metrics and the method's ``uploads`` go up.
 
-``evaluate``: the kept model restored (``keeps_model``; else, or before there is one,
-``prepare_evaluation``, default ``receive``) -> each of ``predictors()`` scored on the local test
-split (and, with ``global-test-pm``, on the global test set).
+``evaluate``: the model to score -> each of ``predictors()`` scored on the local test split (and,
+with ``global-test-pm``, on the global test set). The model: with ``keeps_model = "trains"``, the
+kept model restored, then ``prepare_evaluation`` (default ``receive``: the shared entries loaded
+over it); with ``"scores"``, the kept model, or ``prepare_evaluation``'s before there is one;
+otherwise ``prepare_evaluation``'s.
 
 The hooks and helpers of training live in :mod:`protofl.federation.client_training`, those of the
 model and the broadcasts in :mod:`protofl.federation.client_exchange`; docs/adding-a-method.md
@@ -171,8 +173,8 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
     def _scored(
         self, parameters: list[np.ndarray], config: Mapping[str, Scalar], before: int
     ) -> tuple[float, int, dict[str, Scalar]]:
-        """The model to score set up from the state saved before round ``before``, then scored:
-        the kept model (``keeps_model`` ``"trains"`` or ``"scores"``), else ``prepare_evaluation``'s."""
+        """The model to score set up from the state saved before round ``before`` (see the module's
+        docstring), then scored."""
         self.state.use(config, before)
         keeps = self.options.keeps_model
         self.has_personal_model = keeps in ("trains", "scores") and self.restore_personal_model()

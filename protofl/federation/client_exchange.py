@@ -23,7 +23,7 @@ from protofl.federation.wire import (
     decode_class_vectors,
     indexed_entries,
 )
-from protofl.task.models import SplitModel
+from protofl.task.models import SplitModel, host_dropouts
 from protofl.task.weights import all_tensors, load_all_tensors
 
 MODEL_PREFIX = "model/"  # local_state names of the personal model's entries
@@ -118,9 +118,13 @@ class ModelExchange:
     def frozen_copy(self, stored: Mapping[str, np.ndarray] | None = None) -> SplitModel:
         """A copy of the model as it is now (the global model just received, the initial one before
         ``receive``), with the entries of ``stored`` (:meth:`stored_model`) loaded when given and not
-        empty, and no gradients: a reference model for ``batch_loss`` (MOON's, FedNTD's)."""
+        empty, no gradients and no dropout (its masks would come from a copy of the client's
+        generators, whatever the copy's thread last drew): a reference model for ``batch_loss``
+        (MOON's, FedNTD's)."""
         reference = copy.deepcopy(self.model)
         if stored:
             load_all_tensors(reference, dict(stored))
         reference.requires_grad_(False)
+        for layer in host_dropouts(reference):
+            layer.p = 0.0
         return reference

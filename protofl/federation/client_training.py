@@ -82,8 +82,9 @@ class LocalTraining:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         kwargs["gradient_offsets"] = [offsets.get(name) for name, _ in trainable] if offsets else None
         batch_loss = self.default_loss() if loss is None and model is self.model else loss
-        return train(x=self.data.train_x, y=self.data.train_y, loss=batch_loss,
-                     step_state=self.step_state(phase, offsets), **kwargs)
+        # a loss of the caller's own: what its step reads is not known, so no step is kept for the next client
+        step_state = self.step_state(phase, offsets) if loss is None else None
+        return train(x=self.data.train_x, y=self.data.train_y, loss=batch_loss, step_state=step_state, **kwargs)
 
     def default_loss(self) -> BatchLoss | None:
         """``classification_loss`` + ``batch_loss``, also collecting the class statistics of a

@@ -61,6 +61,7 @@ from protofl.federation.admission import (
     Admission,
     ClientUpdate,
     client_compute,
+    output_problem,
     stacked_statistics,
     too_few_updates,
 )
@@ -187,10 +188,15 @@ class PrototypeStrategy(ServerRule, Strategy):
     def round_configs(
         self, server_round: int, partition_ids: Sequence[int], with_broadcast: bool = True
     ) -> list[dict[str, Scalar]]:
-        """Per-client config: round, the client's seed, the broadcast arrays (encoded once) and its own."""
+        """Per-client config: round, the client's seed, the broadcast arrays (encoded once) and its own.
+        A non-finite array never goes out: the rule's output is checked after each round
+        (:meth:`apply_rule`), and what is sent again here; should one still be, the run stops."""
         arrays = self.broadcast(server_round) if with_broadcast else {}
         shared = {k: encode_array(v) for k, v in arrays.items()}
         own = {p: self.broadcast_to(server_round, p) if with_broadcast else {} for p in partition_ids}
+        sent = arrays | {f"{p}:{k}": v for p, entries in own.items() for k, v in entries.items()}
+        if problem := output_problem(None, [], sent):
+            raise RunStopped(f"round {server_round}: {problem}, so it is not sent")
         return [self.checkpoints.round_config(server_round, client_seed(self.settings.seed, server_round, p)) | shared
                 | {k: encode_array(v) for k, v in own[p].items()} for p in partition_ids]
 

@@ -6,8 +6,9 @@ is checked before anything goes out (:class:`ServerRule`, a base of
 
 from __future__ import annotations
 
+import functools
 from logging import WARNING
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from flwr.common.logger import log
 
 from protofl.federation.admission import Admission, ClientUpdate, output_problem
 from protofl.federation.partitions import PartitionDiscovery
-from protofl.federation.server_state import MethodState, server_generator
+from protofl.federation.server_state import MethodState
 from protofl.federation.wire import ArraySpec
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import SeededDraws
@@ -25,13 +26,14 @@ from protofl.task.sampling import server_seed
 
 class ServerRule:
     """A method's server rule and what it may use (set by :class:`~protofl.federation.server.PrototypeStrategy`:
-    ``settings``, ``options``, ``initial_weights``, ``shared_indices``, ``admission``, ``discovery``,
-    ``method_state``, ``device``)."""
+    ``settings``, ``options``, ``model``, ``initial_weights``, ``shared_indices``, ``admission``,
+    ``discovery``, ``method_state``, ``device``)."""
 
     options_class: type[MethodOptions] = MethodOptions
     state_fields: tuple[str, ...] = ()
     settings: ExperimentSettings
     options: MethodOptions
+    model: torch.nn.Module
     initial_weights: list[np.ndarray]
     shared_indices: list[int]
     admission: Admission
@@ -70,10 +72,32 @@ class ServerRule:
         """The clients' parameters under the run's ``aggregation`` rule: with ``method``, their
         layer-wise mean weighted by ``weights`` (default: the training sizes)."""
         weights = [u.num_examples for u in updates] if weights is None else weights
+        return self.average_arrays([u.parameters for u in updates], weights, self.admission.sent_parameters)
+
+    def average_arrays(self, arrays: Sequence[Sequence[np.ndarray]], weights: Sequence[float],
+                       reference: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Each client's list of arrays (a named upload) averaged under the run's ``aggregation``
+        rule, as :meth:`average_parameters` (``norm-clip``: each client's deviation from
+        ``reference``, default zero)."""
         s = self.settings
-        return robust_average_layers(
-            [u.parameters for u in updates], weights, s.aggregation, s.trim_fraction, self.admission.sent_parameters
-        )
+        reference = [np.zeros_like(a) for a in arrays[0]] if reference is None else reference
+        return robust_average_layers(arrays, weights, s.aggregation, s.trim_fraction, reference)
+
+    def stepped_entries(self, start: Sequence[np.ndarray], mean: Sequence[np.ndarray],
+                        step: Callable[[int, np.ndarray, np.ndarray], np.ndarray]) -> list[np.ndarray]:
+        """A server optimiser's new shared entries: ``step(i, x, mean)`` (in float64) for each
+        trainable parameter, from its value ``x`` sent this round and the clients' ``mean``; the
+        clients' mean for every other entry (a BatchNorm's running statistics, whose variance a step
+        could drive below zero, and its batch count). Each in its entry's dtype."""
+        return [step(i, x.astype(np.float64), m.astype(np.float64)).astype(x.dtype) if trained else m
+                for i, (x, m, trained) in enumerate(zip(start, mean, self.trained_entries))]
+
+    @functools.cached_property
+    def trained_entries(self) -> list[bool]:
+        """For each shared entry, whether it is a trainable parameter (not a buffer)."""
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        names = list(self.model.state_dict())
+        return [names[i] in trainable for i in self.shared_indices]
 
     @property
     def prototype_rule(self) -> dict[str, Any]:
@@ -83,7 +107,7 @@ class ServerRule:
     def server_generator(self, server_round: int) -> torch.Generator:
         """The server's own random draws in ``server_round`` (server-side training on :attr:`device`),
         from the run seed: a resumed run draws what the uninterrupted one drew."""
-        return server_generator(self.settings.seed, server_round)
+        return torch.Generator().manual_seed(server_seed(self.settings.seed, server_round))
 
     def seeded(self, server_round: int = 0) -> SeededDraws:
         """Within, torch's draws that take no generator come from the server's stream of
@@ -120,5 +144,6 @@ class ServerRule:
     def next_broadcasts(self, server_round: int) -> dict[str, np.ndarray]:
         """What ``server_round`` would send: :meth:`broadcast`'s arrays, and each known partition's own
         (``<partition>:<name>``), for the check that nothing non-finite goes out."""
-        own = {f"{p}:{k}": v for p in sorted(self.discovery.nodes) for k, v in self.broadcast_to(server_round, p).items()}
+        own = {f"{p}:{k}": v for p in sorted(self.discovery.nodes)
+               for k, v in self.broadcast_to(server_round, p).items()}
         return self.broadcast(server_round) | own

@@ -17,7 +17,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from protofl.task.sampling import server_seed
 
 
 class MethodState:
@@ -64,14 +63,9 @@ def _as_tensors(value: Any, like: Any) -> Any:
         return torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value,
                                dtype=like.dtype, device=like.device).clone()
     if isinstance(like, Mapping) and isinstance(value, Mapping):
-        keys = {str(k): k for k in like}
-        return type(like)((keys.get(str(k), k), _as_tensors(v, like.get(keys.get(str(k), k)))) for k, v in value.items())
+        keys = {str(k): k for k in like}  # a checkpoint's keys are strings, a state_dict's may be integers
+        pairs = ((keys.get(str(k), k), v) for k, v in value.items())
+        return type(like)((k, _as_tensors(v, like.get(k))) for k, v in pairs)
     if isinstance(like, (list, tuple)) and isinstance(value, (list, tuple)) and len(like) == len(value):
         return type(like)(_as_tensors(v, w) for v, w in zip(value, like))
     return value
-
-
-def server_generator(seed: int, server_round: int) -> torch.Generator:
-    """The server's own random draws in a round (server-side training), from the run seed: the same
-    in an interrupted and a resumed run, and apart from every client's."""
-    return torch.Generator().manual_seed(server_seed(seed, server_round))

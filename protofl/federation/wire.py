@@ -188,7 +188,9 @@ def indexed(name: str, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     return dict(zip(indexed_keys(name, len(arrays)), arrays))
 
 
-def indexed_entries(values: Mapping[str, Any], name: str, specs: Sequence[ArraySpec], max_bytes: int) -> list[np.ndarray]:
+def indexed_entries(
+    values: Mapping[str, Any], name: str, specs: Sequence[ArraySpec], max_bytes: int
+) -> list[np.ndarray]:
     """The arrays :func:`indexed` sent under ``name``, each checked against its spec."""
     return [decode_entry(values, key, spec, max_bytes) for key, spec in zip(indexed_keys(name, len(specs)), specs)]
 
@@ -350,8 +352,8 @@ def decode_class_vectors(
 
 
 # what a client's compute description may hold (compute_description's fields), each short
-COMPUTE_FIELDS = ("host", "device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16", "memory_format",
-                  "training_step", "clients_in_flight", "batchnorm_stats")
+COMPUTE_FIELDS = ("host", "device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16",
+                  "memory_format", "training_step", "clients_in_flight", "batchnorm_stats")
 MAX_COMPUTE_CHARS, MAX_COMPUTE_FIELD_CHARS = 1024, 80
 
 

@@ -19,9 +19,16 @@ from protofl.settings import KeptModel, MethodOptions
 
 
 @dataclass(frozen=True)
-class FedAvgOptions(MethodOptions):
+class ParameterAveraging(MethodOptions):
+    """The options of a method whose server averages the clients' models as FedAvg's does (FedProx,
+    MOON, FedNTD, FedRCL): its clients upload parameters only."""
+
     statistics: ClassVar[None] = None  # parameters only
     weighted: bool = True  # by local training size; false: unweighted
+
+
+@dataclass(frozen=True)
+class FedAvgOptions(ParameterAveraging):
     personal_model: Literal["global", "local"] = "global"
 
     capturable: ClassVar[bool] = True  # no batch loss

@@ -22,19 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
-from protofl.settings import MethodOptions
-from protofl.strategies.fedavg import FedAvgStrategy
+from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
 from protofl.task.weights import all_tensors
 
 NTD_LOSS = "ntd-loss"
 
 
 @dataclass(frozen=True)
-class FedNTDOptions(MethodOptions):
-    statistics: ClassVar[None] = None  # parameters only
+class FedNTDOptions(ParameterAveraging):
     beta: float = 1.0
     temperature: float = 1.0  # tau
-    weighted: bool = True
 
     capturable: ClassVar[bool] = True  # the not-true logits by a fixed-shape gather: no host sync
 
@@ -74,6 +71,9 @@ class FedNTDClient(PrototypeClient):
     def receive(self, parameters, config):
         self.load_shared(parameters)
         self.global_model = self.frozen_copy().eval()
+
+    def prepare_evaluation(self, parameters, config):
+        self.load_shared(parameters)  # PM: the global model, as FedAvg's (no reference copy to build)
 
     def batch_loss(self, features, logits, labels, inputs):
         with torch.no_grad():

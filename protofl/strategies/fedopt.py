@@ -13,8 +13,10 @@ tests/test_conformance_fedopt.py checks against Flower's own strategies.
 
 ``eta`` and ``tau`` ``"auto"``: the paper's best values for its CIFAR-100 task (its appendix, the
 authors' code's README): adagrad eta 10^-1, tau 10^-2; adam and yogi eta 1, tau 10^-1. beta_1 0.9,
-beta_2 0.99 (the paper's; the authors' code ran Keras' 0.999). Integer entries (a BatchNorm's batch
-count) take the plain mean. Clients train as FedAvg's; PM is the global model on each client's split.
+beta_2 0.99 (the paper's; the authors' code ran Keras' 0.999). Only the trainable parameters take
+the server's step; a BatchNorm's statistics (whose variance a step could drive below zero) and batch
+count take the clients' mean (Flower's strategies step every array: the same on a model without
+buffers). Clients train as FedAvg's; PM is the global model on each client's split.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class FedOptOptions(MethodOptions):
         return AUTO_TAU[self.optimizer] if self.tau == "auto" else float(self.tau)
 
     def resolved(self, settings) -> dict[str, float]:
-        return {key: value for key, value, given in (("eta", self.server_lr, self.eta), ("tau", self.adaptivity, self.tau))
-                if given == "auto"}
+        given = {"eta": (self.eta, self.server_lr), "tau": (self.tau, self.adaptivity)}
+        return {key: value for key, (option, value) in given.items() if option == "auto"}
 
 
 def server_step(x: np.ndarray, delta: np.ndarray, m: np.ndarray, v: np.ndarray, options: FedOptOptions,
@@ -98,18 +100,13 @@ class FedOptStrategy(PrototypeStrategy):
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         weights = None if self.options.form == "flower" else [1.0] * len(updates)
         mean = self.average_parameters(updates, weights)  # x_t + Delta_t
-        new, moments = [], []
-        for x, averaged, m, v in zip(self.admission.sent_parameters, mean, self.first_moment, self.second_moment):
-            if x.dtype.kind != "f":
-                new.append(averaged)
-                moments.append((m, v))
-                continue
-            x64 = x.astype(np.float64)
-            stepped, m, v = server_step(x64, averaged.astype(np.float64) - x64, m, v, self.options, server_round)
-            new.append(stepped.astype(x.dtype))
-            moments.append((m, v))
-        self.first_moment, self.second_moment = [m for m, _ in moments], [v for _, v in moments]
-        return new
+
+        def step(i: int, x: np.ndarray, averaged: np.ndarray) -> np.ndarray:
+            stepped, self.first_moment[i], self.second_moment[i] = server_step(
+                x, averaged - x, self.first_moment[i], self.second_moment[i], self.options, server_round)
+            return stepped
+
+        return self.stepped_entries(self.admission.sent_parameters, mean, step)
 
 
 class FedOptClient(PrototypeClient):

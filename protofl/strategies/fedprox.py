@@ -20,17 +20,14 @@ from typing import ClassVar
 import torch
 
 from protofl.federation.client import PrototypeClient
-from protofl.settings import MethodOptions
-from protofl.strategies.fedavg import FedAvgStrategy
+from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
 
 PROXIMAL_LOSS = "proximal-loss"
 
 
 @dataclass(frozen=True)
-class FedProxOptions(MethodOptions):
-    statistics: ClassVar[None] = None  # parameters only
+class FedProxOptions(ParameterAveraging):
     mu: float = 0.01
-    weighted: bool = True  # the average by training size; false: unweighted
 
     capturable: ClassVar[bool] = True  # a sum over the parameters: fixed shapes, no host sync
 

@@ -13,8 +13,8 @@ activation average-pooled over space and L2-normalised, s_ij = z_i . z_j, tau th
   softplus((n_i - s_ii) / tau). It fires only when every same-class pair of i exceeds the threshold.
 
 Levels (``levels = "all"``): a CIFAR ResNet's stem (its norm's output, before the ReLU, as the
-authors') and the last block of each stage; a torchvision ResNet's stem and its four stages; a
-backbone with max-pooling stages (the CNNs, GoogLeNet) each pooling's output and its feature. The
+authors') and the last block of each stage; a torchvision ResNet's stem and its four stages; the
+CNNs' max-pooling stages and GoogLeNet's four, then the feature. The
 authors' ResNet-18 takes its stages before each block's final ReLU, protofl's blocks end in their ReLU
 (the code's ``feature_relu`` switch). ``levels = "feature"``: the feature alone, for any backbone.
 
@@ -33,23 +33,20 @@ from torch import nn
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.wire import CONTRASTIVE_LOSS
-from protofl.settings import MethodOptions
-from protofl.strategies.fedavg import FedAvgStrategy
+from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
 from protofl.task.models import BasicBlock, SplitModel
 
 PENALTY_LOSS = "penalty-loss"
 
 
 @dataclass(frozen=True)
-class FedRCLOptions(MethodOptions):
-    statistics: ClassVar[None] = None  # parameters only
+class FedRCLOptions(ParameterAveraging):
     lambda_scl: float = 1.0
     lambda_penalty: float = 1.0
     temperature: float = 0.05
     threshold: float = 0.7
     negatives: int = 2
     levels: Literal["all", "feature"] = "all"
-    weighted: bool = True
 
     # the levels come from forward hooks, on the model of each message: no step kept across clients
     capturable: ClassVar[bool] = False
@@ -73,6 +70,9 @@ def feature_levels(model: SplitModel, levels: str = "all") -> list[nn.Module]:
     vision = next((m for m in modules if hasattr(m, "layer4") and hasattr(m, "bn1")), None)
     if vision is not None:  # a torchvision ResNet
         return [vision.bn1, vision.layer1, vision.layer2, vision.layer3, vision.layer4]
+    inception = next((m for m in modules if hasattr(m, "inception5b")), None)
+    if inception is not None:  # torchvision's GoogLeNet: its four max-pooling stages, then the feature
+        return [inception.maxpool1, inception.maxpool2, inception.maxpool3, inception.maxpool4, model.body]
     blocks = [m for m in modules if isinstance(m, BasicBlock)]
     if blocks:  # a CIFAR ResNet: its stem's norm, then each stage's last block
         stem = next(m for m in modules if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)))
@@ -80,7 +80,7 @@ def feature_levels(model: SplitModel, levels: str = "all") -> list[nn.Module]:
                          if after is None or after.conv1.out_channels != b.conv2.out_channels
                          or after.conv1.stride != (1, 1)]
     pools = [m for m in modules if isinstance(m, nn.MaxPool2d)]
-    if pools:  # a CNN or GoogLeNet: each max-pooling stage, then the feature
+    if pools:  # a CNN: each max-pooling stage, then the feature
         return pools + [model.body]
     raise ValueError("fedrcl.levels='all' knows the ResNets and backbones with max-pooling stages; set "
                      "fedrcl.levels='feature' for this backbone")
@@ -98,7 +98,8 @@ def relaxed_contrastive_terms(
     infinity = torch.tensor(float("inf"), dtype=similarity.dtype, device=similarity.device)
     positive = similarity.masked_fill(~same, infinity).topk(1, dim=1, largest=False).values
     hardest = similarity.masked_fill(same, -infinity).topk(min(negatives, len(labels)), dim=1).values
-    contrastive = torch.logsumexp(torch.cat([positive, hardest], dim=1) / temperature, dim=1) - positive[:, 0] / temperature
+    pairs = torch.cat([positive, hardest], dim=1) / temperature
+    contrastive = torch.logsumexp(pairs, dim=1) - pairs[:, 0]
     partner = similarity.masked_fill(~same | own, infinity).topk(1, dim=1, largest=False).values[:, 0]
     relaxed = torch.where(torch.isinf(partner) | (partner < threshold), -torch.ones_like(partner), partner)
     penalty = F.softplus((relaxed - similarity.diagonal()) / temperature)
@@ -133,7 +134,8 @@ class FedRCLClient(PrototypeClient):
 
     def batch_loss(self, features, logits, labels, inputs):
         o = self.options
-        terms = [relaxed_contrastive_terms(a, labels, o.temperature, o.threshold, o.negatives) for a in self.activations]
+        terms = [relaxed_contrastive_terms(level, labels, o.temperature, o.threshold, o.negatives)
+                 for level in self.activations]
         self.activations.clear()  # this batch's, taken
         contrastive = torch.stack([c.mean() for c, _ in terms]).mean()
         penalty = torch.stack([p.mean() for _, p in terms]).mean()

@@ -25,19 +25,17 @@ import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.wire import CONTRASTIVE_LOSS
-from protofl.settings import KeptModel, MethodOptions
-from protofl.strategies.fedavg import FedAvgStrategy
+from protofl.settings import KeptModel
+from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
 from protofl.task.weights import all_tensors
 
 
 
 @dataclass(frozen=True)
-class MOONOptions(MethodOptions):
-    statistics: ClassVar[None] = None  # parameters only
+class MOONOptions(ParameterAveraging):
     keeps_model: ClassVar[KeptModel] = "kept"  # z_prev's model
     mu: float = 1.0
     temperature: float = 0.5
-    weighted: bool = True
 
     capturable: ClassVar[bool] = True  # fixed shapes, no host sync
 

@@ -8,13 +8,18 @@ c - c_i added to every step's gradient); after its K steps (K = epochs x steps p
 round's learning rate) c_i+ = c_i - c + (x - y) / (K eta) (line 12, option II), kept; it uploads y
 (its parameters) and Delta c = c_i+ - c_i (line 13) as the named arrays ``control-delta/<i>``.
 
-Server (lines 16-17): x <- x + eta_g * mean over the round's clients of (y_i - x), uniform (the
-paper's and PFLlib's), and c <- c + (1 / N) * sum of their Delta c, N the federation's clients.
-``server-lr`` (eta_g) is 1 by default (the paper's experiments and PFLlib's).
+The paper's local steps are plain SGD. With the run's ``momentum`` beta, the K steps move the model
+by eta times each corrected gradient times sum_(k=1..K) (1 - beta^k) / (1 - beta) in all, not K:
+that sum stands for K in line 12, so that c_i still estimates the mean corrected gradient (with K,
+c_i overestimates it 1 / (1 - beta)-fold and the control variates grow without bound: at beta 0.9,
+|c_i| reached 5e9 in 200 rounds of a quadratic toy). Without momentum the sum is K (PFLlib's, which
+has none).
 
-The paper's local steps are plain SGD: with momentum or weight decay (the run's ``momentum``,
-``weight-decay``) (x - y) / (K eta) is no longer the mean corrected gradient; the run goes on, as
-PFLlib's would not (it has neither).
+Server (lines 16-17): x <- x + eta_g * mean over the round's clients of (y_i - x), uniform (the
+paper's and PFLlib's), on the trainable parameters (a BatchNorm's statistics take the mean), and
+c <- c + (|S| / N) * mean over the round's clients S of their Delta c, N the federation's clients
+(the paper's sum / N); both means under the run's ``aggregation`` rule. ``server-lr`` (eta_g) is 1
+by default (the paper's experiments and PFLlib's).
 """
 
 from __future__ import annotations
@@ -46,9 +51,18 @@ class SCAFFOLDOptions(MethodOptions):
             raise ValueError(f"scaffold.server-lr must be > 0, got {self.server_lr}")
 
 
+def step_multipliers(steps: int, momentum: float) -> float:
+    """How many times the K = ``steps`` steps apply a gradient in all, each carried to the round's end by
+    the momentum beta: sum_(k=1..K) (1 - beta^k) / (1 - beta); K without momentum."""
+    if momentum == 0:
+        return float(steps)
+    return sum((1.0 - momentum**k) / (1.0 - momentum) for k in range(1, steps + 1))
+
+
 def client_control_update(client_control: list[np.ndarray], control: list[np.ndarray], start: list[np.ndarray],
-                          trained: list[np.ndarray], steps: int, lr: float) -> list[np.ndarray]:
-    """c_i+ = c_i - c + (x - y) / (K eta) (Algorithm 1, line 12, option II), in float64, each in its dtype."""
+                          trained: list[np.ndarray], steps: float, lr: float) -> list[np.ndarray]:
+    """c_i+ = c_i - c + (x - y) / (K eta) (Algorithm 1, line 12, option II; ``steps``: K, or
+    :func:`step_multipliers`), in float64, each in its dtype."""
     return [(ci.astype(np.float64) - c + (x.astype(np.float64) - y) / (steps * lr)).astype(ci.dtype)
             for ci, c, x, y in zip(client_control, control, start, trained)]
 
@@ -69,14 +83,16 @@ class SCAFFOLDStrategy(PrototypeStrategy):
         return {name: ArraySpec.like(c) for name, c in indexed(CONTROL_DELTA, self.control).items()}
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
-        start = self.admission.sent_parameters  # x
-        mean = self.average_parameters(updates, [1.0] * len(updates))  # x + mean(y_i - x)
+        uniform = [1.0] * len(updates)
+        mean = self.average_parameters(updates, uniform)  # x + mean(y_i - x)
         eta = self.options.server_lr
-        parameters = [m if x.dtype.kind != "f" else (x + eta * (m.astype(np.float64) - x)).astype(x.dtype)
-                      for m, x in zip(mean, start)]  # line 16
-        deltas = [sum(u.uploads[f"{CONTROL_DELTA}/{i}"].astype(np.float64) for u in updates)
-                  for i in range(len(self.control))]
-        self.control = [(c + d / self.num_clients).astype(c.dtype) for c, d in zip(self.control, deltas)]  # line 17
+        parameters = self.stepped_entries(self.admission.sent_parameters, mean,
+                                          lambda i, x, m: x + eta * (m - x))  # line 16
+        names = list(indexed(CONTROL_DELTA, self.control))
+        deltas = self.average_arrays([[u.uploads[name] for name in names] for u in updates], uniform)
+        share = len(updates) / self.num_clients
+        self.control = [(c + share * d.astype(np.float64)).astype(c.dtype)
+                        for c, d in zip(self.control, deltas)]  # line 17
         return parameters
 
 
@@ -100,7 +116,7 @@ class SCAFFOLDClient(PrototypeClient):
 
     def after_fit(self, statistics):
         """c_i+ (line 12), kept; Delta c = c_i+ - c_i for the upload (line 13)."""
-        steps = self.settings.local_epochs * self.steps_per_epoch()  # K
+        steps = step_multipliers(self.settings.local_epochs * self.steps_per_epoch(), self.settings.momentum)  # K
         control = [c.cpu().numpy() for c in self.control]
         trained = [p.detach().cpu().numpy() for _, p in self.trained]
         updated = client_control_update(self.client_control, control, self.start, trained, steps, self.lr)

@@ -145,7 +145,10 @@ def _training_step(model: nn.Module, autocast: contextlib.AbstractContextManager
     def step(inputs: torch.Tensor, labels: torch.Tensor, *masks: torch.Tensor) -> None:
         with fed_masks(dropouts, masks), autocast:
             features, logits = model(inputs)
-            loss = F.cross_entropy(logits, labels) if batch_loss is None else batch_loss(inputs, features, logits, labels)
+            if batch_loss is None:
+                loss = F.cross_entropy(logits, labels)
+            else:
+                loss = batch_loss(inputs, features, logits, labels)
         optimizer.zero_grad()
         loss.backward()
         if max_grad_norm > 0:
@@ -164,8 +167,8 @@ class SGD:
     def __init__(self, parameters: list[torch.Tensor], lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, offsets: Sequence[torch.Tensor | None] | None = None) -> None:
         self.parameters, self.lr, self.momentum, self.weight_decay = parameters, lr, momentum, weight_decay
-        self.offsets = list(offsets) if offsets is not None else [None] * len(parameters)  # added to the gradients
-        if len(self.offsets) != len(parameters):
+        self.offsets = list(offsets) if offsets is not None else None  # added to the gradients
+        if self.offsets is not None and len(self.offsets) != len(parameters):
             raise ValueError(f"{len(self.offsets)} gradient offsets for {len(parameters)} parameters")
         self.velocity: list[torch.Tensor | None] = [None] * len(parameters)  # momentum buffers, from a first step
 
@@ -178,11 +181,8 @@ class SGD:
         stepped = [i for i, p in enumerate(self.parameters) if p.grad is not None]
         params = [self.parameters[i] for i in stepped]
         grads = [p.grad for p in params]
-        offsets = [(k, self.offsets[i]) for k, i in enumerate(stepped) if self.offsets[i] is not None]
-        if offsets:
-            grads = list(grads)
-            for k, offset in offsets:
-                grads[k] = grads[k] + offset
+        if self.offsets is not None:
+            grads = [g if self.offsets[i] is None else g + self.offsets[i] for g, i in zip(grads, stepped)]
         if self.weight_decay:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         if self.momentum:
