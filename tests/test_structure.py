@@ -78,6 +78,14 @@ def test_the_import_graph_has_no_cycle_and_task_imports_nothing_of_the_flower_si
     assert {name: targets for name, targets in task.items() if targets} == {}
 
 
+def test_nothing_below_the_apps_imports_them():
+    """The ServerApp and ClientApp modules are the top: no other module of protofl imports them (the
+    training worker once took the ClientApp's kept models from it, inside a function)."""
+    graph = import_graph()
+    importers = {name for name, targets in graph.items() if targets & {"protofl.client_app", "protofl.server_app"}}
+    assert importers == set()
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) == []

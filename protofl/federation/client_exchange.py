@@ -24,6 +24,7 @@ from protofl.federation.wire import (
     indexed_entries,
 )
 from protofl.task.models import SplitModel, host_dropouts
+from protofl.task.precision import to_channels_last
 from protofl.task.weights import all_tensors, load_all_tensors
 
 MODEL_PREFIX = "model/"  # local_state names of the personal model's entries
@@ -118,13 +119,16 @@ class ModelExchange:
     def frozen_copy(self, stored: Mapping[str, np.ndarray] | None = None) -> SplitModel:
         """A copy of the model as it is now (the global model just received, the initial one before
         ``receive``), with the entries of ``stored`` (:meth:`stored_model`) loaded when given and not
-        empty, no gradients and no dropout (its masks would come from a copy of the client's
-        generators, whatever the copy's thread last drew): a reference model for ``batch_loss``
-        (MOON's, FedNTD's)."""
+        empty, no gradients, no dropout (its masks would come from a copy of the client's generators,
+        whatever the copy's thread last drew), in the training step's memory format: a reference model
+        for ``batch_loss`` (MOON's, FedNTD's)."""
         reference = copy.deepcopy(self.model)
         if stored:
             load_all_tensors(reference, dict(stored))
         reference.requires_grad_(False)
         for layer in host_dropouts(reference):
             layer.p = 0.0
+        # in the memory format the training step runs the batches in, whatever an earlier pass left
+        # the model in: a convolution's float sums depend on it
+        to_channels_last(reference, self.data.train_x, self.precision["channels_last"], self.precision["cuda_graphs"])
         return reference
