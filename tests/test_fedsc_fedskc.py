@@ -3,6 +3,8 @@ the client rules on digits, the strategies with fake client results."""
 
 import io
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -353,3 +355,19 @@ def test_last_epoch_prototypes_count_only_the_last_epochs_batches():
     collector = client.prototype_collector()
     assert collector.skip == 2 * steps_per_epoch(client.data.num_train, 10)
     assert digits_client(FedSCClient, "fedsc").prototype_collector() is None  # post-eval
+
+
+def test_a_fedskc_run_says_at_its_start_which_forms_run_and_where_their_numbers_are(caplog):
+    from protofl.strategies.fedskc import FORMS_RESULTS, FedSKCStrategy
+
+    for options, says in (({}, "GPR in the paper form (w <- 0.95 w + (1 - 0.95) rho (w_prev - w))"),
+                          ({"gpr-form": "interp"}, "GPR in the interp form (w <- w + (1 - 0.95) rho (w_prev - w))"),
+                          ({"use-gpr": False}, "no GPR")):
+        caplog.clear()
+        settings = ExperimentSettings(method="fedskc", options=options)
+        FedSKCStrategy(settings, build_method_model(settings, load_dataset("digits")), 10)
+        assert says in caplog.text and FORMS_RESULTS in caplog.text
+    anchor = FORMS_RESULTS.split("#")[1]  # the page has that section
+    page = (Path(__file__).resolve().parents[1] / FORMS_RESULTS.split("#")[0]).read_text()
+    assert any(re.sub(r"[^a-z0-9 -]", "", line[3:].lower()).replace(" ", "-") == anchor
+               for line in page.splitlines() if line.startswith("## "))

@@ -38,11 +38,13 @@ the code's switches against numbers the authors' code computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from logging import INFO, WARNING
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from flwr.common.logger import log
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
@@ -192,6 +194,19 @@ def lcl_loss(
 # --- server -----------------------------------------------------------------------------
 
 
+FORMS_RESULTS = "docs/results/baselines.md#fedskcs-forms-which-one-beats-fedavg"
+
+
+def forms_line(options: FedSKCOptions) -> str:
+    """What a FedSKC run says at its start: the forms it runs, and where their numbers are."""
+    kept = f"{options.beta:g} w" if options.gpr_form == "paper" else "w"
+    review = (f"GPR in the {options.gpr_form} form (w <- {kept} + (1 - {options.beta:g}) rho (w_prev - w))"
+              if options.use_gpr else "no GPR")
+    return (f"protofl: FedSKC with {review}, LCL as {options.lcl_form}, GDA as {options.gda_mode}. On Fashion-MNIST "
+            "the paper's forms lost to FedAvg, its released code's matched FedAvg and gpr-form='interp' beat it: "
+            f"{FORMS_RESULTS}")
+
+
 class FedSKCStrategy(PrototypeStrategy):
     options_class = FedSKCOptions
     loss_metrics = (LCL_LOSS,)
@@ -206,6 +221,7 @@ class FedSKCStrategy(PrototypeStrategy):
         state = self.model.state_dict()
         every_float = self.options.gpr_entries == "all"  # BatchNorm statistics too (the code)
         self.reviewed = [name in parameters or (every_float and state[name].is_floating_point()) for name in state]
+        log(WARNING if self.options.gpr_form == "paper" and self.options.use_gpr else INFO, forms_line(self.options))
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return self.knowledge.to_config(GLOBAL_KNOWLEDGE) if self.knowledge else {}
