@@ -221,6 +221,10 @@ class ExperimentSettings:
         for name in ("num_server_rounds", "local_epochs", "batch_size", "min_fit_clients", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if self.lr <= 0 or self.weight_decay < 0:
+            raise ValueError(f"lr must be > 0 and weight-decay must be >= 0, got {self.lr} and {self.weight_decay}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if not 0.0 < self.lr_decay <= 1.0:
             raise ValueError(f"lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.max_grad_norm != "auto" and self.max_grad_norm < 0 or self.global_test_pm_per_class < 0:

@@ -5,6 +5,7 @@ value must have its field's type, and a ``Literal[...]`` field lists its allowed
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import types
 import typing
@@ -15,7 +16,7 @@ def _describe(annotation: Any) -> str:
         return f"one of {get_args(annotation)}"
     if get_origin(annotation) in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(annotation))
-    return {bool: "a bool (true or false)", int: "an integer", float: "a number", str: "a string"}.get(
+    return {bool: "a bool (true or false)", int: "an integer", float: "a finite number", str: "a string"}.get(
         annotation, str(annotation)
     )
 
@@ -45,8 +46,8 @@ def _conform(value: Any, annotation: Any) -> tuple[bool, Any]:
         return isinstance(value, bool), value
     if annotation is int:
         return is_int(value), value
-    if annotation is float:
-        ok = is_number(value)
+    if annotation is float:  # TOML's nan and inf are no setting's value
+        ok = is_number(value) and math.isfinite(value)
         return ok, float(value) if ok else value
     if annotation is str:
         return isinstance(value, str), value

@@ -503,9 +503,9 @@ def test_moon_keeps_its_model_for_the_next_round_and_scores_the_global_one(data,
     assert_same(get_weights(again.global_model), received)
 
 
-def scaffold_config(control, server_round=1, seed=7):
+def scaffold_config(control, server_round=1, seed=7, applied=0):
     arrays = {k: encode_array(v) for k, v in indexed("control", control).items()}
-    return {"server-round": server_round, "seed": seed} | arrays
+    return {"server-round": server_round, "seed": seed, "control-applied": encode_array(np.array([applied]))} | arrays
 
 
 def test_scaffold_client_first_and_second_fit(data, received, fedavg_trained):
@@ -525,14 +525,14 @@ def test_scaffold_client_first_and_second_fit(data, received, fedavg_trained):
         expected = (x.astype(np.float64) - y) / (k * lr)  # c_i+ = 0 - 0 + (x - y) / (K lr); Delta c = c_i+ - 0
         delta = decode_array(metrics[f"control-delta/{i}"], ArraySpec(x.shape), BIG)
         np.testing.assert_allclose(delta, expected, rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(client.local_state[f"control/{name}"], expected, rtol=1e-5, atol=1e-7)
-    c_i = [client.local_state[f"control/{n}"].copy() for n in names]
+        np.testing.assert_allclose(client.local_state[f"control-pending/{name}"], expected, rtol=1e-5, atol=1e-7)
+    c_i = [client.local_state[f"control-pending/{n}"].copy() for n in names]
 
     # round 2, a new client object on the node: its steps add c - c_i to every gradient
     rng = np.random.default_rng(0)
     control = [rng.normal(0, 0.05, w.shape).astype(np.float32) for w in received]
     again = make_client(SCAFFOLDClient, "scaffold", data, state)
-    moved, _, metrics = again.fit(received, scaffold_config(control, 2, 8))
+    moved, _, metrics = again.fit(received, scaffold_config(control, 2, 8, applied=1))  # round 1's c_i+ applied
     reference = build_model("cnn", data.in_channels, data.num_classes, data.image_size, seed=1)
     offsets = [torch.from_numpy(c - ci) for c, ci in zip(control, c_i)]
     train(reference, data.train_x, data.train_y, epochs=1, batch_size=BATCH, lr=lr, seed=8,
@@ -560,6 +560,42 @@ def test_scaffold_client_with_momentum_counts_each_gradient_as_often_as_it_was_a
     for i, (x, y) in enumerate(zip(received, trained)):
         delta = decode_array(metrics[f"control-delta/{i}"], ArraySpec(x.shape), BIG)
         np.testing.assert_allclose(delta, (x.astype(np.float64) - y) / (applied * 0.05), rtol=1e-5, atol=1e-7)
+
+
+def test_scaffold_keeps_c_the_mean_of_the_clients_c_i_when_an_update_is_lost(tmp_path):
+    """Line 17 keeps c = (1 / N) sum_i c_i only if a client's c_i+ replaces its c_i exactly when the
+    server applies its Delta c: a client whose reply was lost (a timeout, admission, a rejected
+    round) keeps its c_i, and its next Delta c is from that."""
+    settings = ExperimentSettings(method="scaffold", local_epochs=1, batch_size=BATCH, momentum=0.5,
+                                  output_dir=str(tmp_path), run_name="run", num_partitions=3)
+    datas = [load_client_data("digits", "", settings.partition_spec(3), p) for p in range(3)]
+    strategy = get_method("scaffold")[0](settings, build_method_model(settings, datas[0]), 10)
+    states = [RecordDict() for _ in datas]
+
+    def clients():
+        return [SCAFFOLDClient(settings, d, build_method_model(settings, d), 3, s) for d, s in zip(datas, states)]
+
+    def fit_all(server_round, parameters):
+        start_round(strategy, [0, 1, 2])
+        replies = []
+        for client, config in zip(clients(), strategy.round_configs(server_round, [0, 1, 2])):
+            arrays, n, metrics = client.fit(parameters, config)
+            replies.append((FakeProxy(str(100 + client.data.partition_id)),
+                            FitRes(OK, ndarrays_to_parameters(arrays), n, metrics)))
+        return replies
+
+    x = strategy.shared_weights()
+    new, metrics = strategy.aggregate_fit(1, fit_all(1, x)[:2], [])  # partition 2's reply lost
+    assert metrics["accepted"] == 2
+    new, metrics = strategy.aggregate_fit(2, fit_all(2, parameters_to_ndarrays(new)), [])
+    assert metrics["accepted"] == 3
+    counted = []  # each client's c_i as its next fit counts it
+    for client, config in zip(clients(), strategy.round_configs(3, [0, 1, 2])):
+        client.receive(parameters_to_ndarrays(new), config)
+        counted.append(client.client_control)
+    for i, c in enumerate(strategy.control):  # float32 sums of 3 terms: a few ulps of the largest
+        mean = np.mean([ci[i].astype(np.float64) for ci in counted], axis=0)
+        np.testing.assert_allclose(c, mean, rtol=0, atol=1e-6 * max(np.abs(mean).max(), 1.0))
 
 
 def test_scaffold_client_without_the_server_control_is_a_clear_error(data, received):

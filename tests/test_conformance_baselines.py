@@ -55,7 +55,7 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.strategies.fedntd import NTD_LOSS
 from protofl.strategies.fedprox import PROXIMAL_LOSS
-from protofl.strategies.scaffold import CLIENT_CONTROL, CONTROL_DELTA
+from protofl.strategies.scaffold import CONTROL_DELTA, PENDING_CONTROL
 from protofl.task.data import ClientData
 
 pytestmark = pytest.mark.conformance
@@ -136,7 +136,8 @@ def _two_rounds(method, tmp_path, check_client=None, check_server=None):
             # the order their loader took the images in is the one our training loop draws from this seed
             np.testing.assert_array_equal(batch_order(data[p].num_train, seed), given[f"{prefix}.order"])
             client = client_class(settings, data[p], copy.deepcopy(initial), NUM_CLIENTS, stores[p])
-            arrays, num_examples, metrics = client.fit(sent, {"server-round": r, "seed": seed} | broadcast)
+            own = {k: encode_array(v) for k, v in strategy.broadcast_to(r, p).items()}  # SCAFFOLD's applied round
+            arrays, num_examples, metrics = client.fit(sent, {"server-round": r, "seed": seed} | broadcast | own)
             for name, array in zip(our_names, arrays):
                 _assert_fingerprint(array, theirs[f"{prefix}.trained.{name}"], f"{prefix} trained {name}")
             expected_loss = theirs[f"{prefix}.loss"]
@@ -212,7 +213,7 @@ def test_scaffold_two_rounds_equal_pfllib(tmp_path):
             c_i, c = _norm(theirs, before, name), _norm(theirs, control, name)
             x, y = _norm(theirs, sent_prefix, name), _norm(theirs, f"{prefix}.trained", name)
             scale = c_i + c + (x + y) / (steps * eta)
-            _assert_fingerprint(client.local_state[CLIENT_CONTROL + name], theirs[f"{prefix}.control.{name}"],
+            _assert_fingerprint(client.local_state[PENDING_CONTROL + name], theirs[f"{prefix}.control.{name}"],
                                 f"{prefix} c_i+ {name}", scale)
             delta = np.load(io.BytesIO(metrics[f"{CONTROL_DELTA}/{i}"]))  # the upload
             delta_scale = scale + c_i

@@ -63,6 +63,7 @@ def test_checkpoint_round_trips_every_kind_of_method_state(tmp_path):
             "knowledge": {"relational-labels": np.array([3, 1], np.int64)},  # FedSC's dict of arrays
             "global_weights": [np.ones((2, 2), np.float64), np.array(5, np.int64)],  # FedSKC's list
             "nothing_yet": None,
+            "applied": {0: 1, 3: 2},  # SCAFFOLD's partition -> round, integer keys
         },
         "num_partitions": 4,
         "releases": {"2": 3},
@@ -80,6 +81,7 @@ def test_checkpoint_round_trips_every_kind_of_method_state(tmp_path):
     assert fields["knowledge"]["relational-labels"].tolist() == [3, 1]
     assert [w.dtype for w in fields["global_weights"]] == [np.float64, np.int64]
     assert fields["nothing_yet"] is None and loaded.strategy_state["releases"] == {"2": 3}
+    assert fields["applied"] == {0: 1, 3: 2} and all(isinstance(k, int) for k in fields["applied"])
     with pytest.raises(TypeError):  # what it cannot write back exactly, it refuses to write
         Checkpoint(1, [], {"fields": {"x": object()}}, {}, "").to_bytes()
 

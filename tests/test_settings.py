@@ -58,11 +58,13 @@ def test_method_tables_reach_their_method_only():
     "key,value,message",
     [
         ("fednh.learnable-scale", "false", "fednh.learnable-scale must be a bool"),
-        ("fednh.rho", True, "fednh.rho must be a number"),
+        ("fednh.rho", True, "fednh.rho must be a finite number"),
         ("fedproto.lamda", 0.5, "unknown fedproto option 'fedproto.lamda'"),
         ("fedproto.prototype-pass", "eval", "fedproto.prototype-pass must be one of"),
         ("fedsc.neighbours", 2.0, "fedsc.neighbours must be an integer"),
-        ("fedsa.lambda-mcl", "big", "fedsa.lambda-mcl must be a number or one of .'auto',."),
+        ("fedsa.lambda-mcl", "big", "fedsa.lambda-mcl must be a finite number or one of .'auto',."),
+        ("fedprox.mu", float("nan"), "fedprox.mu must be a finite number"),  # TOML has nan and inf
+        ("fedopt.eta", float("inf"), "fedopt.eta must be a finite number"),
     ],
 )
 def test_every_method_reads_typed_options_and_names_the_bad_key(key, value, message):
@@ -83,7 +85,11 @@ def test_numbers_are_read_as_the_fields_type():
     "override,message",
     [({"global-test-pm": "false"}, "global-test-pm must be a bool"),
      ({"num-server-rounds": 2.5}, "num-server-rounds must be an integer"),
-     ({"seed": True}, "seed must be an integer")],
+     ({"seed": True}, "seed must be an integer"),
+     ({"lr": float("inf")}, "lr must be a finite number"),
+     ({"lr": 0.0}, "lr must be > 0"),  # SCAFFOLD divides by it
+     ({"momentum": 1.0}, "momentum must be in .0, 1."),  # SCAFFOLD's step sum divides by 1 - momentum
+     ({"weight-decay": -1e-4}, "weight-decay must be >= 0")],
 )
 def test_top_level_keys_are_typed_too(override, message):
     with pytest.raises(ValueError, match=message):

@@ -69,9 +69,10 @@ class LocalTraining:
                     loss: BatchLoss | None = None, epochs: int | None = None, lr: float | None = None,
                     phase: str = "") -> float:
         """One call of the training loop on the training split, in ``config``'s round: ``model``
-        (default: the client's), its parameters with ``requires_grad`` only, with ``loss`` (default:
-        ``classification_loss`` + ``batch_loss``, collecting the class statistics of a
-        ``prototype-pass`` in training) for ``epochs`` (default: the run's ``local-epochs``) at ``lr``
+        (default: the client's), its parameters with ``requires_grad`` only, with ``loss`` (default: for
+        the client's model ``classification_loss`` + ``batch_loss``, collecting the class statistics of
+        a ``prototype-pass`` in training; for another, cross-entropy) for ``epochs`` (default: the run's
+        ``local-epochs``) at ``lr``
         (default: the round's). ``phase`` names a call whose step differs from the method's others
         (FedRep's head and body), for a kept captured step. Returns the mean training loss."""
         model = self.model if model is None else model
@@ -82,8 +83,8 @@ class LocalTraining:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         kwargs["gradient_offsets"] = [offsets.get(name) for name, _ in trainable] if offsets else None
         batch_loss = self.default_loss() if loss is None and model is self.model else loss
-        # a loss of the caller's own: what its step reads is not known, so no step is kept for the next client
-        step_state = self.step_state(phase, offsets) if loss is None else None
+        # a loss of the caller's own or another model: what its step reads is not known, so no step is kept
+        step_state = self.step_state(phase, offsets) if loss is None and model is self.model else None
         return train(x=self.data.train_x, y=self.data.train_y, loss=batch_loss, step_state=step_state, **kwargs)
 
     def default_loss(self) -> BatchLoss | None:

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 
-
 class MethodState:
     """The ``names`` attributes of ``owner`` (a strategy), as one unit."""
 

@@ -5,8 +5,11 @@ broadcast every round, and each client's c_i, kept on its node (zero before its 
 
 Client (Algorithm 1): each local step is y <- y - eta (g(y) + c - c_i) (line 10: the offset
 c - c_i added to every step's gradient); after its K steps (K = epochs x steps per epoch, eta the
-round's learning rate) c_i+ = c_i - c + (x - y) / (K eta) (line 12, option II), kept; it uploads y
+round's learning rate) c_i+ = c_i - c + (x - y) / (K eta) (line 12, option II); it uploads y
 (its parameters) and Delta c = c_i+ - c_i (line 13) as the named arrays ``control-delta/<i>``.
+c_i+ replaces c_i only once the server has applied that Delta c: the server sends each client the
+last round whose update of its it applied, and a client whose reply was lost (a timeout, a rejected
+update or round) keeps its c_i, so that c stays the mean of the c_i (line 17's invariant).
 
 The paper's local steps are plain SGD. With the run's ``momentum`` beta, the K steps move the model
 by eta times each corrected gradient times sum_(k=1..K) (1 - beta^k) / (1 - beta) in all, not K:
@@ -35,7 +38,9 @@ from protofl.federation.wire import ArraySpec, indexed, server_round
 from protofl.settings import MethodOptions
 
 CONTROL, CONTROL_DELTA = "control", "control-delta"  # c (broadcast), Delta c (uploaded), per parameter
+APPLIED = "control-applied"  # to each client: the last round whose update of its the server applied
 CLIENT_CONTROL = "control/"  # local_state names of c_i's arrays
+PENDING_CONTROL, PENDING_ROUND = "control-pending/", "control-pending-round"  # c_i+ until applied, its round
 
 
 @dataclass(frozen=True)
@@ -69,15 +74,20 @@ def client_control_update(client_control: list[np.ndarray], control: list[np.nda
 
 class SCAFFOLDStrategy(PrototypeStrategy):
     options_class = SCAFFOLDOptions
-    state_fields = ("control",)
+    state_fields = ("control", "applied")
+    broadcast_to_evaluate = False  # evaluation scores the global model
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.control = [np.zeros(tuple(p.shape), p.detach().cpu().numpy().dtype) for p in parameters]  # c
+        self.applied: dict[int, int] = {}  # partition -> the last round whose Delta c went into c
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return indexed(CONTROL, self.control)
+
+    def broadcast_to(self, server_round: int, partition_id: int) -> dict[str, np.ndarray]:
+        return {APPLIED: np.array([self.applied.get(partition_id, 0)], np.int64)}
 
     def upload_specs(self) -> dict[str, ArraySpec]:
         return {name: ArraySpec.like(c) for name, c in indexed(CONTROL_DELTA, self.control).items()}
@@ -93,6 +103,7 @@ class SCAFFOLDStrategy(PrototypeStrategy):
         share = len(updates) / self.num_clients
         self.control = [(c + share * d.astype(np.float64)).astype(c.dtype)
                         for c, d in zip(self.control, deltas)]  # line 17
+        self.applied = self.applied | {u.partition_id: server_round for u in updates}
         return parameters
 
 
@@ -104,25 +115,40 @@ class SCAFFOLDClient(PrototypeClient):
         self.trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.start = [p.detach().cpu().numpy().copy() for _, p in self.trained]  # x
         control = self.received_like(config, CONTROL, [p for _, p in self.trained])
-        if control is None:
-            raise ValueError("SCAFFOLD: the server sent no control variate")
+        applied = self.received(config, APPLIED, ArraySpec((1,), ("int64",)))
+        if control is None or applied is None:
+            raise ValueError("SCAFFOLD: the server sent no control variate or no applied round")
         self.control = control  # c
+        self.settle_control(int(applied[0]))
         self.client_control = [self.local_state.get(CLIENT_CONTROL + n, np.zeros_like(x))
                                for (n, _), x in zip(self.trained, self.start)]  # c_i
-        self.lr = self.settings.round_lr(server_round(config))  # eta
+        self.round = server_round(config)
+        self.lr = self.settings.round_lr(self.round)  # eta
+
+    def settle_control(self, applied_round: int) -> None:
+        """c_i+ of the last fit becomes c_i if the server applied that fit's Delta c; else it is dropped."""
+        pending_round = self.local_state.pop(PENDING_ROUND, None)
+        pending = {k.removeprefix(PENDING_CONTROL): self.local_state.pop(k)
+                   for k in [k for k in self.local_state if k.startswith(PENDING_CONTROL)]}
+        if pending_round is not None and int(pending_round[0]) == applied_round:
+            self.local_state.update({CLIENT_CONTROL + n: c for n, c in pending.items()})
+
+    def prepare_evaluation(self, parameters, config):
+        self.load_shared(parameters)  # the global model, as FedAvg's; c_i stays as the last fit left it
 
     def gradient_offsets(self):
         return {name: c - c.new_tensor(ci) for (name, _), c, ci in zip(self.trained, self.control, self.client_control)}
 
     def after_fit(self, statistics):
-        """c_i+ (line 12), kept; Delta c = c_i+ - c_i for the upload (line 13)."""
+        """c_i+ (line 12), kept until the server applies it; Delta c = c_i+ - c_i for the upload (line 13)."""
         steps = step_multipliers(self.settings.local_epochs * self.steps_per_epoch(), self.settings.momentum)  # K
         control = [c.cpu().numpy() for c in self.control]
         trained = [p.detach().cpu().numpy() for _, p in self.trained]
         updated = client_control_update(self.client_control, control, self.start, trained, steps, self.lr)
         self.control_delta = [(new.astype(np.float64) - old).astype(new.dtype)
                               for new, old in zip(updated, self.client_control)]
-        self.local_state.update({CLIENT_CONTROL + n: c for (n, _), c in zip(self.trained, updated)})
+        self.local_state.update({PENDING_CONTROL + n: c for (n, _), c in zip(self.trained, updated)})
+        self.local_state[PENDING_ROUND] = np.array([self.round], np.int64)
         return {}
 
     def uploads(self):
