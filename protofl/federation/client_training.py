@@ -72,9 +72,9 @@ class LocalTraining:
         (default: the client's), its parameters with ``requires_grad`` only, with ``loss`` (default: for
         the client's model ``classification_loss`` + ``batch_loss``, collecting the class statistics of
         a ``prototype-pass`` in training; for another, cross-entropy) for ``epochs`` (default: the run's
-        ``local-epochs``) at ``lr``
-        (default: the round's). ``phase`` names a call whose step differs from the method's others
-        (FedRep's head and body), for a kept captured step. Returns the mean training loss."""
+        ``local-epochs``) at ``lr`` (default: the round's). ``phase`` names a call whose step differs
+        from the method's others (FedRep's head and body), for a kept captured step. Returns the mean
+        training loss."""
         model = self.model if model is None else model
         kwargs = self.train_kwargs(config) | {"model": model}
         kwargs |= {"epochs": epochs} if epochs is not None else {}
