@@ -129,7 +129,7 @@ class SCAFFOLDClient(PrototypeClient):
         """c_i+ of the last fit becomes c_i if the server applied that fit's Delta c; else it is dropped."""
         pending_round = self.local_state.pop(PENDING_ROUND, None)
         pending = {k.removeprefix(PENDING_CONTROL): self.local_state.pop(k)
-                   for k in [k for k in self.local_state if k.startswith(PENDING_CONTROL)]}
+                   for k in list(self.local_state) if k.startswith(PENDING_CONTROL)}
         if pending_round is not None and int(pending_round[0]) == applied_round:
             self.local_state.update({CLIENT_CONTROL + n: c for n, c in pending.items()})
 
