@@ -224,6 +224,13 @@ CAPTURABLE = {  # (method, its options) -> whether its training step may be capt
     ("fedopt", ()): True,
     ("fedntd", ()): True,  # the not-true logits by a gather of fixed shape
     ("fedrcl", ()): False,  # its levels come from hooks on each message's model
+    ("local", ()): True,
+    ("fedper", ()): True,
+    ("fedrep", ()): True,  # a step per phase (head, body)
+    ("fedbabu", ()): True,
+    ("fedrod", ()): True,  # the label distribution, an input of the step
+    ("ditto", ()): True,  # the global model's step; the personal model's runs eagerly
+    ("creff", ()): True,  # FedAvg's step; the class gradients are computed before it
 }
 
 

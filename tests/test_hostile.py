@@ -35,8 +35,13 @@ EXTRA_METRICS = {  # what each method's clients report besides the template's ke
 }
 
 
+# CReFF's server trains for 400 epochs a round by default: 2 of each exercise the same code
+QUICK_OPTIONS = {"creff": {"match-epochs": 2, "retrain-epochs": 2}}
+
+
 def settings_for(method, tmp_path, name, **overrides):
-    overrides = {"model": "fednh-cnn" if method == "fednh" else "cnn"} | overrides
+    overrides = {"model": "fednh-cnn" if method == "fednh" else "cnn",
+                 "options": QUICK_OPTIONS.get(method, {})} | overrides
     return ExperimentSettings(method=method, output_dir=str(tmp_path), run_name=name, min_fit_clients=2, **overrides)
 
 
@@ -60,6 +65,11 @@ def make_strategy(method, tmp_path, name="run", **overrides):
     strategy.sampled = list(range(N))
     strategy.admission.asked = {str(100 + p): p for p in range(N)}
     return strategy
+
+
+def exchanges_nothing(strategy):
+    """Whether the method's clients send no parameters, class statistics or named arrays (Local)."""
+    return not strategy.shared_weights() and strategy.options.statistics is None and not strategy.upload_specs()
 
 
 def honest_update(strategy, pid, round_=1):
@@ -233,6 +243,8 @@ def test_a_hostile_update_is_dropped_and_the_round_ends_as_the_honest_ones_alone
         pytest.skip(f"{method} uploads no named arrays")
     if attack == "scaled_parameters" and not strategy.shared_weights():
         pytest.skip(f"{method} shares no parameters")
+    if attack == "malformed_blobs" and exchanges_nothing(strategy):
+        pytest.skip(f"{method} sends nothing to malform")
     sent = ATTACKS[attack](strategy, hostile_reply)
     parameters, metrics = strategy.aggregate_fit(1, honest[:2] + sent + honest[2:], [])  # must not raise
 
@@ -308,6 +320,8 @@ def test_a_huge_class_vector_without_the_screen_cannot_make_a_broadcast_non_fini
 @pytest.mark.parametrize("method", METHODS)
 def test_a_non_finite_aggregate_keeps_the_previous_global_state(tmp_path, method, monkeypatch):
     strategy = make_strategy(method, tmp_path, "kept")
+    if exchanges_nothing(strategy):
+        pytest.skip(f"{method} computes nothing on the server")
     first, _ = strategy.aggregate_fit(1, [honest_update(strategy, p) for p in range(N)], [])
     before = server_state(strategy, first)
     rule = type(strategy).aggregate_updates

@@ -53,6 +53,7 @@ def test_preset_parses_into_known_keys_and_valid_settings(path):
 TABLES = {  # each seed paper's comparison table: its methods (baselines.md), in its order
     "fedskc-table1": ["fedavg", "fedprox", "scaffold", "fedopt", "moon", "fedproto", "fednh", "fedrcl", "fedskc"],
     "fedsc-table1": ["fedavg", "fedprox", "moon", "fedntd", "fedproto", "fednh", "fedrcl", "fedsc"],
+    "fednh-table1": ["local", "fedavg", "fedper", "ditto", "fedrep", "fedproto", "creff", "fedbabu", "fedrod", "fednh"],
 }
 
 

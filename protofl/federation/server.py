@@ -23,6 +23,8 @@ Hooks (see docs/adding-a-method.md):
 - ``aggregate_updates(server_round, updates)``: the server rule; returns the new global parameters
   (the shared entries, in order) or None; it averages parameters with :meth:`average_parameters`
   and passes :attr:`prototype_rule` to the class-vector math, so the run's robust rules apply;
+- ``global_model_weights(shared)``: the whole model GM scores (default: the shared entries when
+  they are the whole model; :meth:`with_initial_entries` for a head kept on the clients);
 - ``broadcast_to(server_round, partition_id)``: arrays sent to one client only (FedAMP's own model);
 - ``upload_specs()``: the named arrays each client uploads besides its parameters and class
   statistics (SCAFFOLD's control-variate deltas), checked by admission like every other field;
@@ -293,11 +295,14 @@ class PrototypeStrategy(ServerRule, Strategy):
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         """GM: the global model on the global test set (methods with a global model)."""
-        if not self.has_global_model or self.global_test is None or not parameters.tensors:
+        if self.global_test is None or not parameters.tensors:
             return None
         if server_round > 0 and not self.settings.is_eval_round(server_round):
             return None
-        loss, accuracy = global_model_scores(self.model, parameters_to_ndarrays(parameters), self.global_test,
+        weights = self.global_model_weights(parameters_to_ndarrays(parameters))
+        if weights is None:
+            return None
+        loss, accuracy = global_model_scores(self.model, weights, self.global_test,
                                              **self.settings.method_precision(self.options))
         if server_round > 0:
             self.recorder.update(

@@ -64,6 +64,13 @@ class ServerRule:
         """Server rule: new global parameters (the shared entries), or None when none are shared."""
         raise NotImplementedError
 
+    def global_model_weights(self, shared: list[np.ndarray]) -> list[np.ndarray] | None:
+        """The whole model (every ``state_dict`` entry, in order) that GM scores, from the shared
+        entries a round ended with; None: the method has no GM. Default: the shared entries, when
+        they are the whole model (a method that keeps its head on the clients may return
+        :meth:`with_initial_entries`)."""
+        return list(shared) if len(self.shared_indices) == len(self.initial_weights) else None
+
     # --- helpers for server rules -------------------------------------------------------
 
     def average_parameters(
@@ -118,6 +125,15 @@ class ServerRule:
     def num_clients(self) -> int:
         """The federation's number of clients (partitions), as discovery knows it."""
         return self.discovery.registry.num_partitions or len(self.discovery.nodes)
+
+    def with_initial_entries(self, shared: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The initial model with its shared entries replaced by ``shared``: the GM of a method whose
+        head stays on its clients (the aggregated body and the initial head, as FedNH's code scores
+        FedPer, FedRep and FedBABU)."""
+        weights = list(self.initial_weights)
+        for index, array in zip(self.shared_indices, shared):
+            weights[index] = array
+        return weights
 
     def shared_weights(self) -> list[np.ndarray]:
         """Initial values of the model entries exchanged with clients, in order: sent in round 1,

@@ -16,7 +16,8 @@ from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model, client_architecture
 
 METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa", "fedsc", "fedskc",
-           "fedprox", "moon", "scaffold", "fedopt", "fedntd", "fedrcl")
+           "fedprox", "moon", "scaffold", "fedopt", "fedntd", "fedrcl",
+           "local", "fedper", "fedrep", "fedbabu", "fedrod", "ditto", "creff")
 
 
 def _module(name: str):

@@ -10,7 +10,7 @@ architecture per client: client i gets the family's architecture i mod X.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -386,3 +386,19 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int, 
     faster_on = {"cpu": CHANNELS_LAST_FASTER, "cuda": CHANNELS_LAST_FASTER_CUDA}
     model.channels_last_faster = frozenset(device for device, names in faster_on.items() if name in names)
     return model
+
+
+@contextlib.contextmanager
+def trainable_only(model: nn.Module, parameters: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Within, of ``model``'s parameters exactly ``parameters`` are trainable: a phase of local
+    training (FedRep's head, then its body; FedBABU's fine-tuning of its frozen head). Each
+    parameter's ``requires_grad`` is put back on leaving."""
+    before = {id(p): p.requires_grad for p in model.parameters()}
+    chosen = {id(p) for p in parameters}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(id(p) in chosen)
+        yield
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(before[id(p)])

@@ -1,0 +1,55 @@
+"""FedPer (Arivazhagan et al., 2019): the body is federated, each client keeps its own head.
+
+Client: trains its whole model (its own head, restored from its node, under the body received) with
+cross-entropy, as FedAvg; its head never leaves the node. Server: FedAvg over the body's entries
+(``weighted = false``: unweighted, FedNH's code).
+
+PM: the client's model (its head on the body it trained). GM: the aggregated body with the initial
+head, as FedNH's code scores FedPer (its server never sees a trained head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from protofl.federation.client import PrototypeClient
+from protofl.settings import KeptModel
+from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+
+HEAD = "head."  # the state_dict entries of the classifier (SplitModel.head)
+
+
+@dataclass(frozen=True)
+class BodySharing(ParameterAveraging):
+    """A method whose clients share the body and keep their heads (FedPer, FedRep, FedRoD)."""
+
+    keeps_model: ClassVar[KeptModel] = "trains"  # its head; the body is loaded over it
+
+    def shares(self, name: str) -> bool:
+        return not name.startswith(HEAD)
+
+
+@dataclass(frozen=True)
+class FedPerOptions(BodySharing):
+    capturable: ClassVar[bool] = True  # no batch loss
+
+
+class BodyAveraging(FedAvgStrategy):
+    """FedAvg over the shared entries; GM: them with the initial head."""
+
+    def global_model_weights(self, shared: list[np.ndarray]) -> list[np.ndarray] | None:
+        return self.with_initial_entries(shared)
+
+
+class FedPerStrategy(BodyAveraging):
+    options_class = FedPerOptions
+
+
+class FedPerClient(PrototypeClient):
+    options_class = FedPerOptions
+
+
+STRATEGY, CLIENT = FedPerStrategy, FedPerClient
