@@ -41,6 +41,8 @@ from protofl.federation.wire import (
     NUM_TEST,
     NUM_TRAIN,
     PARTITION_ID,
+    SEED,
+    SERVER_ROUND,
     TRAIN_LOSS,
     ClassStatistics,
     encode_array,
@@ -56,6 +58,7 @@ from protofl.task.data import ClientData, black_level
 from protofl.task.inference import head_prediction
 from protofl.task.models import SplitModel
 from protofl.task.precision import compute_description
+from protofl.task.sampling import client_seed
 from protofl.task.statistics import FeatureSums
 from protofl.task.train import recompute_batchnorm_stats
 from protofl.task.weights import all_tensors, copy_tensors, tensor_copies
@@ -190,6 +193,16 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         loss, num_examples, metrics = self._scored(parameters, config, server_round(config))
         copy_tensors(all_tensors(self.model), untouched)
         return evaluation_as_fit_metrics(loss, num_examples, metrics)
+
+    def scored_round_config(self, config: Mapping[str, Scalar]) -> Mapping[str, Scalar]:
+        """``config`` as the evaluate message of the round being scored carries it (that round, and
+        this client's seed in it), also when the scores ride in the next round's fit message: what a
+        ``prepare_evaluation`` that trains (FedBABU's fine-tuning) trains with, so that both messages
+        give the same scores."""
+        if EVALUATE_ROUND not in config:
+            return config
+        scored = int(config[EVALUATE_ROUND])
+        return {**config, SERVER_ROUND: scored, SEED: client_seed(self.settings.seed, scored, self.data.partition_id)}
 
     def score(self, predictors: Mapping[str, Predictor]) -> tuple[float, int, dict[str, Scalar]]:
         """(loss, num_test, metrics) of :func:`~protofl.federation.scoring.local_scores`, reporting

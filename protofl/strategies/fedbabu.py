@@ -4,8 +4,8 @@ at its random initial values, the same on every client; each client fine-tunes b
 Client: trains the body received with cross-entropy through the frozen initial head (Algorithm 1
 of the paper). Before scoring, it fine-tunes the whole model (head included) from the global body
 for ``finetune-epochs`` epochs (5, the paper's and FedNH's code; 0: no fine-tuning) on its
-training split, at the round's learning rate, and scores that model (PM); the fine-tuned model is
-not kept.
+training split, with the scored round's learning rate and seed (in an evaluate message or in the
+next fit message alike), and scores that model (PM); the fine-tuned model is not kept.
 
 Server: FedAvg over the body's entries (``weighted = false``: unweighted, FedNH's code). GM: the
 aggregated body with the initial head, not fine-tuned.
@@ -54,7 +54,8 @@ class FedBABUClient(PrototypeClient):
         self.load_shared(parameters)
         if self.options.finetune_epochs > 0:  # the whole model, head included
             with trainable_only(self.model, self.model.parameters()):
-                self.train_model(config, epochs=self.options.finetune_epochs, phase="finetune")
+                self.train_model(self.scored_round_config(config), epochs=self.options.finetune_epochs,
+                                 phase="finetune")
 
 
 STRATEGY, CLIENT = FedBABUStrategy, FedBABUClient

@@ -4,8 +4,9 @@ Client: trains its whole model (its own head, restored from its node, under the 
 cross-entropy, as FedAvg; its head never leaves the node. Server: FedAvg over the body's entries
 (``weighted = false``: unweighted, FedNH's code).
 
-PM: the client's model (its head on the body it trained). GM: the aggregated body with the initial
-head, as FedNH's code scores FedPer (its server never sees a trained head).
+PM: the client's own head on the global body it receives (PFLlib's; FedNH's code scores the body the
+client trained). GM: the aggregated body with the initial head, as FedNH's code scores FedPer (its
+server never sees a trained head).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the body trains ``local-epochs`` epochs. Both from the round's seed (the same ba
 code). Its head never leaves the node.
 
 Server: FedAvg over the body's entries (``weighted = false``: unweighted, FedNH's code). PM: the
-client's model; GM: the aggregated body with the initial head (FedNH's code).
+client's own head on the global body it receives (PFLlib's; FedNH's code scores the body the client
+trained); GM: the aggregated body with the initial head (FedNH's code).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from protofl.strategies.fedavg import ParameterAveraging
 from protofl.strategies.fedper import BodyAveraging
 from protofl.task.inference import head_prediction
 from protofl.task.models import SeededDraws, SplitModel, trainable_only
+from protofl.task.sampling import server_seed
 
 PERSONAL_HEAD = "personal_head."
 HYPERNETWORK = "hypernetwork."
@@ -71,11 +72,12 @@ class HyperClassifier(nn.Module):
 
 
 def prepare_model(model: SplitModel, settings: ExperimentSettings) -> SplitModel:
-    """Add p: a copy of the generic head, or the hypernetwork (its initial values from the run seed)."""
+    """Add p: a copy of the generic head, or the hypernetwork (its initial values from the run seed's
+    server stream, which no backbone draws from)."""
     if FedRoDOptions.from_settings(settings).personal_head == "linear":
         model.personal_head = copy.deepcopy(model.head)
     else:
-        with SeededDraws(settings.seed):
+        with SeededDraws(server_seed(settings.seed, 0)):
             model.hypernetwork = HyperClassifier(model.feature_dim, model.head.out_features)
     return model
 
