@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate
 from protofl.federation.wire import ArraySpec, indexed, round_seed
 from protofl.strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
@@ -83,7 +82,8 @@ def classifier_gradients(features: torch.Tensor, label: int, classifier: Sequenc
     return [g[0] for g in per_class_gradients(features.unsqueeze(0), labels, classifier)]
 
 
-def per_class_gradients(features: torch.Tensor, labels: torch.Tensor, classifier: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def per_class_gradients(features: torch.Tensor, labels: torch.Tensor,
+                        classifier: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """For each group g of ``features`` (G x m x d, ``labels`` G x m), the gradient of its mean
     cross-entropy w.r.t. the linear classifier (weight C x d, bias C if given), in closed form:
     (softmax - one-hot)^T f / m and the mean of softmax - one-hot. Differentiable in ``features``."""
@@ -167,7 +167,8 @@ class CReFFStrategy(FedAvgStrategy):
         with self.seeded(0):
             features = torch.randn(head.out_features, self.options.features_per_class, head.in_features,
                                    dtype=head.weight.dtype)
-            initial = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, dtype=head.weight.dtype)
+            initial = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                                dtype=head.weight.dtype)
         self.federated_features = features.numpy()
         self.classifier = [p.detach().numpy() for p in initial.parameters()]  # W_syn
 
@@ -239,7 +240,8 @@ class CReFFClient(FedAvgClient):
                 continue
             held[c] = True
             for _ in range(self.options.gradient_repeats):
-                batch = members[torch.randperm(len(members), generator=generator)[:self.options.real_batch].to(members.device)]
+                drawn = torch.randperm(len(members), generator=generator)[:self.options.real_batch]
+                batch = members[drawn.to(members.device)]
                 for total, g in zip(gradients, classifier_gradients(features[batch], c, classifier)):
                     total[c] += g / self.options.gradient_repeats
         return [g.cpu().numpy() for g in gradients], held
