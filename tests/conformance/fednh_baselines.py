@@ -39,7 +39,8 @@ their server's ``run`` drives it:
 Settings: lr 0.01 x 0.99^(round - 1) (their ``diminishing`` scheduler), 1 local epoch
 (``num_epochs``; FedRep's head and FedBABU's fine-tune take several), each client's data one full
 batch (``batch_size`` 64 >= its samples: their shuffled loader and ours take the same batch,
-their ``setup_seed`` cannot matter; no dropout in Conv2Cifar), momentum 0 and weight decay 0 (their Ditto and FedRoD personal optimizers are plain SGD, ours run the run's settings). Their
+their ``setup_seed`` cannot matter; no dropout in Conv2Cifar), momentum 0 and weight decay 0
+(their Ditto and FedRoD personal optimizers are plain SGD, ours run the run's settings). Their
 code clips every step of ``setup_optimizer``'s optimizer at total norm 10 (and Ditto's personal
 step, before adding lambda (v - w)); ours runs with a large max-grad-norm: a spy on
 ``clip_grad_norm_`` checks that no norm of theirs reached 10 (``largest_gradient_norm``), so
