@@ -139,7 +139,7 @@ def state_of(client):
 
 
 def test_fedbabu_trains_the_body_under_the_frozen_initial_head_and_fine_tunes_only_to_score(data):
-    client, _ = make("fedbabu", data)
+    client, _ = make("fedbabu", data, **{"finetune-epochs": 1})
     initial = state_of(client)
     assert [n for n in client.shared_names if n.startswith("head.")] == []
     client.fit(shared_of(client), dict(FIT))
