@@ -12,7 +12,8 @@ Server: FedAvg (``weighted = false``: unweighted, FedNH's code). The real gradie
 unweighted mean over the clients that hold it. The federated features (``features-per-class`` per
 class, standard normal at the start, kept across rounds) take ``match-epochs`` SGD steps at
 ``feature-lr`` on sum_c D(grad of CE(W_syn f_c, c), real gradient of c) (Eq. 4-5; D: per output row
-1 - cosine, FedNH's and CReFF's ``ours`` distance), over the classes some client sent. A fresh
+1 - cosine, FedNH's and CReFF's ``ours`` distance; a bias's gradient too, where the head has one,
+which FedNH's code's heads have not), over the classes some client sent. A fresh
 linear classifier (with bias, drawn from the round's server seed) then trains ``retrain-epochs``
 epochs of mini-batches of ``batch-size`` on the features at ``classifier-lr`` (Eq. 6): it is the
 next W_syn, and GM's head (its weight; its bias where the model's head has one).
