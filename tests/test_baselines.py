@@ -1,6 +1,6 @@
 """The six baselines (FedProx, MOON, SCAFFOLD, FedOpt, FedNTD, FedRCL): their math on hand-checked
 numbers, each strategy on hand-built fit results, each client for one fit on digits, and their
-option checks."""
+option checks (FedNH's table's baselines' too)."""
 
 import json
 import math
@@ -644,6 +644,13 @@ def test_fedrcl_hooks_go_even_when_training_fails(data, received, monkeypatch):
     ("fedrcl", "temperature", 0.0),
     ("fedrcl", "negatives", 0),
     ("fedrcl", "lambda-scl", -1.0),
+    ("fedrep", "head-epochs", -1),
+    ("fedbabu", "finetune-epochs", -1),
+    ("ditto", "lambda", -0.5),
+    ("creff", "match-epochs", -1),
+    ("creff", "features-per-class", 0),
+    ("creff", "feature-lr", 0.0),
+    ("creff", "classifier-lr", float("nan")),
 ])
 def test_an_option_out_of_range_is_one_error_naming_it(method, key, value):
     settings = ExperimentSettings.from_run_config({"method": method, f"{method}.{key}": value})

@@ -1,7 +1,7 @@
 """The baselines of FedNH's Table 1 (Local, FedPer, FedRep, FedBABU, FedRoD, Ditto, CReFF): their
-math on hand-checked numbers, what each client keeps and scores, what each server scores as GM,
-and their option checks. Their agreement with FedNH's code is in tests/test_conformance_fednh_baselines.py
-and tests/test_conformance_creff.py."""
+math on hand-checked numbers, what each client keeps and scores, and what each server scores as GM.
+Their option checks are in tests/test_baselines.py, their agreement with FedNH's code in
+tests/test_conformance_fednh_baselines.py and tests/test_conformance_creff.py."""
 
 import math
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
+from test_baselines import BATCH, BIG, FIT, make_client
 from torch import nn
 
 from protofl.federation.wire import ArraySpec, decode_array, encode_array, indexed
@@ -28,9 +29,6 @@ from protofl.task.data import load_client_data, load_dataset
 from protofl.task.models import build_model, trainable_only
 from protofl.task.weights import get_weights
 
-FIT = {"server-round": 1, "seed": 7}
-BIG = 1 << 26  # a payload cap no test array comes near
-BATCH = 32
 
 # --- the math on hand-checked numbers -----------------------------------------------------
 
@@ -123,11 +121,7 @@ def data():
 
 
 def make(method, data, state=None, **options):
-    settings = ExperimentSettings(method=method, local_epochs=1, batch_size=BATCH, options=options)
-    client_class = get_method(method)[1]
-    store = RecordDict() if state is None else state
-    client = client_class(settings, data, build_method_model(settings, data), 2, store)
-    return client, settings
+    return make_client(get_method(method)[1], method, data, state, **options)
 
 
 def shared_of(client):
@@ -139,7 +133,7 @@ def state_of(client):
 
 
 def test_fedbabu_trains_the_body_under_the_frozen_initial_head_and_fine_tunes_only_to_score(data):
-    client, _ = make("fedbabu", data, **{"finetune-epochs": 1})
+    client = make("fedbabu", data, **{"finetune-epochs": 1})
     initial = state_of(client)
     assert [n for n in client.shared_names if n.startswith("head.")] == []
     client.fit(shared_of(client), dict(FIT))
@@ -157,7 +151,7 @@ def test_fedbabu_trains_the_body_under_the_frozen_initial_head_and_fine_tunes_on
     client.evaluate(shared_of(client), dict(FIT))
     assert not torch.equal(fine_tuned["head.weight"], initial["head.weight"])  # fine-tuned to score
     assert not client.model.head.weight.requires_grad  # and frozen again
-    untuned, _ = make("fedbabu", data, **{"finetune-epochs": 0})
+    untuned = make("fedbabu", data, **{"finetune-epochs": 0})
     untuned.score = lambda predictors: fine_tuned.update(untuned_state=state_of(untuned))
     untuned.evaluate(shared_of(client), dict(FIT))
     assert torch.equal(fine_tuned["untuned_state"]["head.weight"], initial["head.weight"])
@@ -165,11 +159,11 @@ def test_fedbabu_trains_the_body_under_the_frozen_initial_head_and_fine_tunes_on
 
 def test_fedper_keeps_its_head_and_scores_it_on_the_global_body(data):
     state = RecordDict()
-    client, _ = make("fedper", data, state)
+    client = make("fedper", data, state)
     received = shared_of(client)
     client.fit(received, dict(FIT))
     trained_head = client.model.head.weight.detach().clone()
-    again, _ = make("fedper", data, state)  # the next message: a new client object, the node's state
+    again = make("fedper", data, state)  # the next message: a new client object, the node's state
     scored = {}
     again.score = lambda predictors: scored.update(state_of(again))
     again.evaluate(received, dict(FIT))
@@ -179,13 +173,13 @@ def test_fedper_keeps_its_head_and_scores_it_on_the_global_body(data):
 
 def test_ditto_keeps_a_personal_model_beside_the_global_one(data):
     state = RecordDict()
-    client, _ = make("ditto", data, state)
+    client = make("ditto", data, state)
     received = shared_of(client)
     global_after, _, metrics = client.fit(received, dict(FIT))
     personal = client.stored_model("personal/")
     assert personal and not np.array_equal(personal["body.0.0.weight"], global_after[0])
     assert metrics["proximal-loss"] > 0
-    again, _ = make("ditto", data, state)
+    again = make("ditto", data, state)
     scored = {}
     again.score = lambda predictors: scored.update(state_of(again))
     again.evaluate(received, dict(FIT))
@@ -221,7 +215,7 @@ def test_local_has_no_gm_and_creffs_gm_carries_the_retrained_classifier():
 
 
 def test_creff_uploads_class_gradients_for_the_classes_it_holds(data):
-    client, _ = make("creff", data)
+    client = make("creff", data)
     config = dict(FIT) | {k: encode_array(v) for k, v in indexed(
         "creff-classifier", [p.detach().numpy() for p in client.model.head.parameters()]).items()}
     _, _, metrics = client.fit(shared_of(client), config)
@@ -230,20 +224,3 @@ def test_creff_uploads_class_gradients_for_the_classes_it_holds(data):
     gradients = decode_array(metrics["class-gradients/0"], ArraySpec((10, None, None)), BIG)
     assert gradients.shape == (10, *client.model.head.weight.shape)
     assert (np.abs(gradients[~held]).sum() == 0) and (np.abs(gradients[held]).sum(axis=(1, 2)) > 0).all()
-
-
-@pytest.mark.parametrize("method,key,value", [
-    ("fedrep", "head-epochs", -1),
-    ("fedbabu", "finetune-epochs", -1),
-    ("ditto", "lambda", -0.5),
-    ("creff", "match-epochs", -1),
-    ("creff", "features-per-class", 0),
-    ("creff", "feature-lr", 0.0),
-    ("creff", "classifier-lr", float("nan")),
-])
-def test_an_option_out_of_range_is_one_error_naming_it(method, key, value):
-    settings = ExperimentSettings.from_run_config({"method": method, f"{method}.{key}": value})
-    options_class = get_method(method)[0].options_class
-    with pytest.raises(ValueError, match=rf"{method}\b.*\b{key}\b"):
-        options_class.from_settings(settings)
-    options_class.from_settings(ExperimentSettings.from_run_config({"method": method}))

@@ -36,6 +36,7 @@ from torch import nn
 from protofl.federation.server import ClientUpdate
 from protofl.federation.wire import ArraySpec, indexed, round_seed
 from protofl.strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
+from protofl.strategies.fedper import HEAD
 from protofl.task.models import SplitModel
 
 CLASSIFIER = "creff-classifier"  # W_syn (broadcast), one array per head parameter
@@ -164,7 +165,7 @@ class CReFFStrategy(FedAvgStrategy):
         super().__init__(*args, **kwargs)
         head = linear_head(self.model)
         self.head_dtype = head.weight.detach().cpu().numpy().dtype
-        self.head_entries = [i for i, name in enumerate(self.model.state_dict()) if name.startswith("head.")]
+        self.head_entries = [i for i, name in enumerate(self.model.state_dict()) if name.startswith(HEAD)]
         with self.seeded(0):
             features = torch.randn(head.out_features, self.options.features_per_class, head.in_features,
                                    dtype=head.weight.dtype)

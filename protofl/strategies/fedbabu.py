@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from protofl.federation.client import PrototypeClient
-from protofl.settings import ExperimentSettings
-from protofl.strategies.fedper import HEAD, BodyAveraging
-from protofl.strategies.fedavg import ParameterAveraging
+from protofl.settings import ExperimentSettings, KeptModel
+from protofl.strategies.fedper import BodyAveraging, BodySharing
 from protofl.task.models import SplitModel, trainable_only
 
 
 @dataclass(frozen=True)
-class FedBABUOptions(ParameterAveraging):
+class FedBABUOptions(BodySharing):
+    keeps_model: ClassVar[KeptModel] = None  # the head never changes: nothing of a client's to keep
     finetune_epochs: int = 5
 
     capturable: ClassVar[bool] = True  # no batch loss
@@ -32,9 +32,6 @@ class FedBABUOptions(ParameterAveraging):
     def check(self) -> None:
         if self.finetune_epochs < 0:
             raise ValueError(f"fedbabu.finetune-epochs must be >= 0, got {self.finetune_epochs}")
-
-    def shares(self, name: str) -> bool:
-        return not name.startswith(HEAD)
 
 
 def prepare_model(model: SplitModel, settings: ExperimentSettings) -> SplitModel:

@@ -108,9 +108,6 @@ class FedRoDClient(PrototypeClient):
         self.load_shared(parameters)
         self.distribution = label_distribution(self.data.class_counts()).to(self.device)
 
-    def prepare_evaluation(self, parameters, config):
-        self.receive(parameters, config)
-
     def personal_logits(self, features: torch.Tensor) -> torch.Tensor:
         """p(z)."""
         if self.options.personal_head == "linear":
