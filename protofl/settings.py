@@ -64,7 +64,10 @@ class MethodOptions:
     - :meth:`shares`: which model entries (``state_dict`` names) travel as parameters;
     - :attr:`keeps_model`: whether and how each client keeps its model across rounds;
     - :attr:`keeps_client_state`: whether clients keep state across rounds;
-    - :attr:`capturable`: whether the client's training step may be captured as a CUDA graph.
+    - :attr:`capturable`: whether the client's training step may be captured as a CUDA graph;
+    - ``shares_across_architectures``: whether the shared entries are the same whatever a client's
+      architecture (a head of the feature size; a second model of one architecture), so a model
+      family (``htfe2`` ...) may run it.
 
     ``max_grad_norm`` is what ``max-grad-norm = "auto"`` clips each step's gradient at for the
     method (0: no clipping), where its published form clips.
@@ -73,6 +76,7 @@ class MethodOptions:
     statistics: ClassVar[Literal["feature", "logit"] | None] = "feature"
     max_grad_norm: ClassVar[float] = 0.0
     keeps_model: ClassVar[KeptModel] = None
+    shares_across_architectures: ClassVar[bool] = False
 
     @property
     def keeps_client_state(self) -> bool:

@@ -31,7 +31,7 @@ RUN = {"dataset": "digits", "num-server-rounds": 3, "local-epochs": 1, "global-t
        "amp": "off", "channels-last": False}
 NODES = 3
 # what differs between two runs of the same code: clocks, and the checkpoint's size (it holds them)
-TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
+TIMING = {"seconds", "fit_seconds", "server_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 # the template's switches on the server side (discovery, admission, aggregation, evaluation)
 TEMPLATE_SWITCHES = {
     "evaluation-message=evaluate": {"method": "fedproto", "evaluation-message": "evaluate"},

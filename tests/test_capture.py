@@ -231,6 +231,13 @@ CAPTURABLE = {  # (method, its options) -> whether its training step may be capt
     ("fedrod", ()): True,  # the label distribution, an input of the step
     ("ditto", ()): True,  # the global model's step; the personal model's runs eagerly
     ("creff", ()): True,  # FedAvg's step; the class gradients are computed before it
+    ("lgfedavg", ()): True,
+    ("feddistill", ()): True,  # the global logits, an input of the step
+    ("fml", ()): False,  # two models in one step, each clipped on its own
+    ("fedkd", ()): False,  # three modules in one step
+    ("fedgen", ()): False,  # draws labels and noise for the generator on each batch
+    ("fedtgp", ()): True,  # FedProto's loss
+    ("fedgh", ()): True,
 }
 
 

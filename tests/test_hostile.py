@@ -19,6 +19,7 @@ from protofl.federation.partitions import PartitionClaim
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS, build_method_model, get_method
+from protofl.strategies.fedgen import LABEL_COUNTS
 from protofl.task.data import load_dataset, partition_sizes
 
 N = 4
@@ -36,7 +37,8 @@ EXTRA_METRICS = {  # what each method's clients report besides the template's ke
 
 
 # CReFF's server trains for 400 epochs a round by default: 2 of each exercise the same code
-QUICK_OPTIONS = {"creff": {"match-epochs": 2, "retrain-epochs": 2}}
+QUICK_OPTIONS = {"creff": {"match-epochs": 2, "retrain-epochs": 2}, "fedgen": {"server-epochs": 2},
+                 "fedtgp": {"server-epochs": 2}}
 
 
 def settings_for(method, tmp_path, name, **overrides):
@@ -80,8 +82,9 @@ def honest_update(strategy, pid, round_=1):
     counts = strategy.discovery.registry.sizes(pid).train_counts
     dim = strategy.options.statistics_dim(10, strategy.feature_dim)
     metrics = {"partition-id": pid, "train-loss": 1.0, **EXTRA_METRICS.get(strategy.settings.method, {})}
-    for name, spec in strategy.upload_specs().items():  # the method's named uploads (SCAFFOLD's)
-        metrics[name] = encode_array(rng.normal(0, 0.01, spec.shape).astype(spec.dtypes[0]))
+    for name, spec in strategy.upload_specs().items():  # the method's named uploads (SCAFFOLD's, FedGen's counts)
+        honest = counts if name == LABEL_COUNTS else rng.normal(0, 0.01, spec.shape)
+        metrics[name] = encode_array(honest.astype(spec.dtypes[0]))
     if strategy.options.statistics is not None:
         means = np.zeros((10, dim), np.float32)
         rows = rng.normal(1.0, 0.2, (10, dim)) / np.sqrt(dim)  # norm about 1, within FedNH's unit ball

@@ -22,11 +22,11 @@ from protofl.strategies.creff import (
     match_features,
     per_class_gradients,
     retrain_classifier,
-    shuffles,
 )
 from protofl.strategies.fedrod import balanced_softmax_loss, label_distribution
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.models import build_model, trainable_only
+from protofl.task.server_training import shuffles
 from protofl.task.weights import get_weights
 
 

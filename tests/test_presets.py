@@ -54,6 +54,8 @@ TABLES = {  # each seed paper's comparison table: its methods (baselines.md), in
     "fedskc-table1": ["fedavg", "fedprox", "scaffold", "fedopt", "moon", "fedproto", "fednh", "fedrcl", "fedskc"],
     "fedsc-table1": ["fedavg", "fedprox", "moon", "fedntd", "fedproto", "fednh", "fedrcl", "fedsc"],
     "fednh-table1": ["local", "fedavg", "fedper", "ditto", "fedrep", "fedproto", "creff", "fedbabu", "fedrod", "fednh"],
+    "fedsa-table1": ["lgfedavg", "fedgen", "fml", "fedkd", "feddistill", "fedproto", "fedtgp", "fedsa"],
+    "fedsa-table2": ["lgfedavg", "fedgen", "fml", "fedkd", "feddistill", "fedproto", "fedtgp", "fedsa"],
 }
 
 
@@ -71,7 +73,8 @@ def test_a_table_preset_names_its_papers_methods_each_valid_with_its_settings(pa
 
 def test_each_table_has_a_preset_on_cifar_and_on_fashion_mnist():
     names = {p.stem for p in PRESETS}
-    assert {f"{table}-cifar10" for table in TABLES} | {f"fmnist-{table}" for table in TABLES} <= names
+    assert all({f"{table}-cifar10", f"{table}-cifar100"} & names for table in TABLES)  # FedSA's Table 2: CIFAR-100
+    assert {f"fmnist-{table}" for table in TABLES} <= names
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         store = store if isinstance(store, ClientStateStore) else ClientStateStore(store, data.partition_id, MEMORY)
         self.state = LocalState(store)
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
-        self.shared_names = [name for name in self.model.state_dict() if self.options.shares(name)]
+        self.exchanged = self.exchanged_model()
+        self.shared_names = [name for name in self.exchanged.state_dict() if self.options.shares(name)]
         self.loss_parts = DeviceMeans()
         self.precision = settings.method_precision(self.options)  # of the training and eval passes
         self.has_personal_model = False  # a kept model was restored for this message (keeps_model)
@@ -95,6 +96,12 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         """Before training: set up the model to train from and read what the server sent
         (keep decoded arrays on ``self`` for ``batch_loss``). Default: load the shared entries."""
         self.load_shared(parameters)
+
+    def exchanged_model(self) -> SplitModel:
+        """The model whose entries (those the options' ``shares`` names) travel as parameters, built
+        once. Default: the client's own; FML's and FedKD's: a second model, of one architecture on
+        every client, trained beside the client's own."""
+        return self.model
 
     def local_training(self, config: Mapping[str, Scalar]) -> float:
         """This round's local training; returns its mean training loss. Default: one

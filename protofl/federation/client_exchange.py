@@ -36,6 +36,7 @@ class ModelExchange:
     ``shared_names`` and ``max_payload_bytes`` it uses)."""
 
     model: SplitModel
+    exchanged: SplitModel  # the model whose shared entries travel (PrototypeClient.exchanged_model)
 
     @property
     def local_state(self) -> dict[str, np.ndarray]:
@@ -46,18 +47,19 @@ class ModelExchange:
     # --- the shared model entries -------------------------------------------------------
 
     def shared_arrays(self) -> list[np.ndarray]:
-        """The model entries this method exchanges, in ``state_dict`` order: all the server may see."""
-        state = self.model.state_dict()
+        """The entries of the exchanged model that this method shares, in ``state_dict`` order: all the
+        server may see."""
+        state = self.exchanged.state_dict()
         return [state[name].detach().cpu().numpy() for name in self.shared_names]
 
     def load_shared(self, arrays: list[np.ndarray]) -> None:
         """Load the shared entries (the others keep their values)."""
         if len(arrays) != len(self.shared_names):
             raise ValueError(f"got {len(arrays)} arrays, this method shares {len(self.shared_names)} model entries")
-        state = self.model.state_dict()
+        state = self.exchanged.state_dict()
         loaded = {name: torch.as_tensor(np.asarray(a), dtype=state[name].dtype)
                   for name, a in zip(self.shared_names, arrays)}
-        self.model.load_state_dict(loaded, strict=False)
+        self.exchanged.load_state_dict(loaded, strict=False)
 
     # --- what the server broadcasts -----------------------------------------------------
 

@@ -67,18 +67,20 @@ class LocalTraining:
 
     def train_model(self, config: Mapping[str, Scalar], *, model: torch.nn.Module | None = None,
                     loss: BatchLoss | None = None, epochs: int | None = None, lr: float | None = None,
-                    phase: str = "") -> float:
+                    phase: str = "", clip_groups: list[list[torch.Tensor]] | None = None) -> float:
         """One call of the training loop on the training split, in ``config``'s round: ``model``
         (default: the client's), its parameters with ``requires_grad`` only, with ``loss`` (default: for
         the client's model ``classification_loss`` + ``batch_loss``, collecting the class statistics of
         a ``prototype-pass`` in training; for another, cross-entropy) for ``epochs`` (default: the run's
         ``local-epochs``) at ``lr`` (default: the round's). ``phase`` names a call whose step differs
-        from the method's others (FedRep's head and body), for a kept captured step. Returns the mean
-        training loss."""
+        from the method's others (FedRep's head and body), for a kept captured step. ``clip_groups``: the
+        run's ``max-grad-norm`` clips each group of parameters on its own (FML's two models). Returns
+        the mean training loss."""
         model = self.model if model is None else model
         kwargs = self.train_kwargs(config) | {"model": model}
         kwargs |= {"epochs": epochs} if epochs is not None else {}
         kwargs |= {"lr": lr} if lr is not None else {}
+        kwargs |= {"clip_groups": clip_groups} if clip_groups is not None else {}
         offsets = self.gradient_offsets()
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         kwargs["gradient_offsets"] = [offsets.get(name) for name, _ in trainable] if offsets else None

@@ -181,10 +181,12 @@ class PrototypeStrategy(ServerRule, Strategy):
     # --- Strategy API: fit ------------------------------------------------------------------
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
-        if self.settings.model in MODEL_FAMILIES and self.shared_weights():
+        if (self.settings.model in MODEL_FAMILIES and self.shared_weights()
+                and not self.options.shares_across_architectures):
             raise ValueError(f"model={self.settings.model!r} gives clients different architectures, but "
                              f"{self.settings.method} exchanges model parameters; use a single architecture, or a "
-                             "method that shares none (fedsa, fedproto without average-parameters)")
+                             "method that shares none or only what every architecture has (fedsa, fedproto "
+                             "without average-parameters, lgfedavg, fml, ...)")
         return ndarrays_to_parameters(self.shared_weights())
 
     def round_configs(
@@ -250,12 +252,15 @@ class PrototypeStrategy(ServerRule, Strategy):
             reasons = [d["reason"] for d in dropped]
             raise RunStopped(too_few_updates(server_round, len(updates), required, reasons, failed))
         updates.sort(key=lambda u: u.partition_id)  # arrival order must not change the float sums
+        rule_started = time.perf_counter()
         new_parameters, kept_previous = self.apply_rule(server_round, updates)
+        server_seconds = time.perf_counter() - rule_started  # the server rule's own training included
         elapsed = time.perf_counter() - self.round_started
         fields = fit_fields(updates, self.loss_metrics, results, failures, dropped)
         record = self.recorder.update(
             server_round, **fields,
             **({"kept_previous": kept_previous} if kept_previous else {}), fit_seconds=elapsed, seconds=elapsed,
+            server_seconds=server_seconds,
             **ratios, **self.privacy.epsilon_field(),
         )
         self.recorder.write()

@@ -38,6 +38,7 @@ from protofl.federation.wire import ArraySpec, indexed, round_seed
 from protofl.strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
 from protofl.strategies.fedper import HEAD
 from protofl.task.models import SplitModel
+from protofl.task.server_training import shuffles
 
 CLASSIFIER = "creff-classifier"  # W_syn (broadcast), one array per head parameter
 CLASS_GRADIENTS = "class-gradients"  # uploaded: C x (parameter shape), per head parameter
@@ -146,12 +147,6 @@ def retrain_classifier(classifier: nn.Linear, features: torch.Tensor, epochs: in
                 for parameter, gradient in zip(parameters, gradients):
                     parameter -= lr * gradient[0]
     return classifier
-
-
-def shuffles(n: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """Each epoch's order of ``n`` samples, from ``generator``."""
-    while True:
-        yield torch.randperm(n, generator=generator)
 
 
 # --- server -----------------------------------------------------------------------------------

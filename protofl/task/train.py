@@ -48,6 +48,7 @@ def train(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     max_grad_norm: float = 0.0,
+    clip_groups: Sequence[Sequence[torch.Tensor]] | None = None,
     loss: BatchLoss | None = None,
     gradient_offsets: Sequence[torch.Tensor | None] | None = None,
     partial_batch: PartialBatch = "drop",
@@ -64,7 +65,8 @@ def train(
     batch is always one batch. A BatchNorm layer trained on a batch of two or three takes a step
     that can wreck the model (see docs/results/batchnorm.md). ``loss`` computes each batch's loss from
     its inputs and the model's outputs (default: the cross-entropy of the logits).
-    ``max_grad_norm > 0`` clips the total gradient norm. Only parameters with ``requires_grad`` are
+    ``max_grad_norm > 0`` clips the total gradient norm, or with ``clip_groups`` each group's (FML's
+    two models, each clipped on its own). Only parameters with ``requires_grad`` are
     optimised (buffers, e.g. a frozen head, never are); ``gradient_offsets``, one per such parameter
     (None: none), are added to their gradients at every step, after clipping (SCAFFOLD's correction).
     ``augment`` transforms each batch's images (its draws from the same seeded generator).
@@ -94,14 +96,14 @@ def train(
         structure = tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in tensors.items())
         key = (type(model), structure, tuple(x.shape[1:]), x.dtype, y.dtype, str(x.device), batch_size, lr,
                momentum, weight_decay, max_grad_norm, resolve_amp(amp, x.device, cuda_graphs), channels_last, kind,
-               loss is None, gradient_offsets is None, step_state.key())
+               loss is None, gradient_offsets is None, clip_groups is None, step_state.key())
         kept = kept_step(key)
     if kept is not None:  # a step captured for an earlier client: this one's tensors go through it
         kept.load(tensors, step_state)
         step, captured, total = kept.step, kept.captured, kept.total
     else:
         step, optimizer, total = _training_step(model, autocast, lr, momentum, weight_decay, max_grad_norm, loss,
-                                                gradient_offsets)
+                                                gradient_offsets, clip_groups)
         captured = (CapturedStep(step, static=kind == "static")
                     if kind != "off" and full_batches > CAPTURE_WARMUP_STEPS else None)
     dropouts = host_dropouts(model)  # this client's, seeded for it
@@ -133,7 +135,8 @@ def train(
 
 def _training_step(model: nn.Module, autocast: contextlib.AbstractContextManager, lr: float, momentum: float,
                    weight_decay: float, max_grad_norm: float, batch_loss: BatchLoss | None,
-                   gradient_offsets: Sequence[torch.Tensor | None] | None):
+                   gradient_offsets: Sequence[torch.Tensor | None] | None,
+                   clip_groups: Sequence[Sequence[torch.Tensor]] | None = None):
     """(step, its optimizer, its summed loss): ``step(inputs, labels, *masks)`` trains ``model`` on one
     batch: forward, the loss, backward, clipping, the SGD step, the loss added to the sum; ``masks``:
     one per drawing dropout layer (:func:`host_dropouts`), or none (the layers draw)."""
@@ -152,7 +155,8 @@ def _training_step(model: nn.Module, autocast: contextlib.AbstractContextManager
         optimizer.zero_grad()
         loss.backward()
         if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+            for group in clip_groups or [parameters]:
+                torch.nn.utils.clip_grad_norm_(group, max_grad_norm)
         optimizer.step()
         total.add_(loss.detach())
 

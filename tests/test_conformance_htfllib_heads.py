@@ -1,0 +1,539 @@
+"""LG-FedAvg, FedDistill, FedTGP, FedGH and FedGen against numbers HtFLlib's code (TsingZ0/HtFLlib,
+``system/flcore``) computed on the same inputs: one server step of each, and one local round of
+FedTGP's, FedDistill's and FedGen's clients.
+
+The fixtures (tests/conformance/fixtures/htfllib-*.npz) and the calls that made them are described
+in tests/conformance/htfllib_heads.py; their code is not run here. Ours is called on the same
+inputs: our pure functions (``prototype_pairs``, ``train_head``, ``adaptive_margin``,
+``train_prototypes``, ``prototype_loss``, ``distillation_loss``, ``aggregate_prototypes``,
+``Generator``, ``ensemble_loss``) and, for the server steps, our strategies' ``aggregate_updates``
+(built for protofl's ``cnn``, whose 512-d features are the fixtures' servers' size) on
+``ClientUpdate``s. A client's local round is ours as our training loop runs it (plain SGD on
+cross-entropy + the method's ``batch_loss``, the batches in the loader's order), written out here with
+the method's loss function on the fixtures' small ``SplitNet``. Where their code draws (the order of
+the server's pairs each epoch, FedGen's labels and noise) ours is fed what theirs drew.
+
+Their pairs come in their order (the clients in their ``random.sample``'s or selection's order,
+each client's classes in its dict's, not ascending), ours client by client, class by class: the
+tests check they are the same set of pairs (exactly), and translate each of their epoch's orders
+into ours (``order -> position[order]``, ``position``: the index in our list of each of their
+pairs), so that both visit the same pairs in the same batches.
+
+Tolerances. Both sides compute in float64 (tests/conftest.py, make_fixtures.py), so one formula
+agrees to ``FLOAT64``'s rtol, 1e-9 (derived in tests/conformance/common.py: sums in another order,
+cancelling at most 100-fold, a few SGD or Adam steps amplifying at most 10-fold), with the absolute
+part 1e-9 x the scale of the terms (n u sum|terms| is the rounding bound):
+
+- averages (LG-FedAvg's and FedGen's heads): 1e-9 x the largest client entry;
+- a trained tensor: 1e-9 x the largest entry of it or of its displacement, whichever is larger
+  (comparing a displacement with the weights' own scale would hide a change of the ~1e-2 steps);
+  FedTGP's 512 x 512 weights through their fingerprints, 1e-9 x the norm of the displacement (a
+  difference d moves each projection by about |d|);
+- a loss or a margin (a scalar): FLOAT64;
+- what protofl rounds to float32 on purpose (class means, per-class mean logits and FedTGP's global
+  prototypes, the wire's dtype): one float32 rounding (``float32_roundings(1, scale)``, 6e-8
+  relative). The fixtures' uploaded prototypes (FedGH, FedTGP: multiples of 1/16, each FedTGP class
+  held by at most two clients) and logits (FedDistill: float32 values) are exact in float32, so the
+  float32 uploads change nothing and FedTGP's class means (which set the margin) are exact;
+  FedDistill's global logits are a float32 rounding of their float64 means.
+
+Each test also checks that a deliberately wrong setting (an untranslated order, margin 0, the
+softmax target, the count weighting, the generator's eval mode) moves the result by far more than
+the tolerance.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conformance.common import FLOAT64, assert_matches, fingerprint, float32_roundings, load_fixture
+from conformance.htfllib_heads import GENERATOR_NAMES, NUM_CLASSES, TGP_CLASSES, TGP_NAMES, split_net, wide_head
+from torch import nn
+
+import protofl.strategies.fedgen as fedgen
+import protofl.strategies.fedgh as fedgh
+import protofl.strategies.fedtgp as fedtgp
+from protofl.federation.admission import ClientUpdate
+from protofl.federation.wire import ClassStatistics
+from protofl.settings import ExperimentSettings
+from protofl.strategies import build_method_model, get_method
+from protofl.strategies.feddistill import distillation_loss
+from protofl.strategies.fedgen import LABEL_COUNTS, Generator, ensemble_loss
+from protofl.strategies.fedgh import prototype_pairs, train_head
+from protofl.strategies.fedproto import prototype_loss
+from protofl.strategies.fedtgp import TrainablePrototypes, adaptive_margin, train_prototypes
+from protofl.task.data import ClientData
+from protofl.task.prototypes import aggregate_prototypes
+from protofl.task.statistics import FeatureSums, class_means
+
+pytestmark = pytest.mark.conformance
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def _scaled(actual, expected, what, scale=None):
+    """``actual`` (ours) equals ``expected`` (theirs) to FLOAT64's rtol, the absolute part 1e-9 x
+    ``scale`` (default: ``expected``'s largest entry)."""
+    scale = float(np.abs(expected).max()) if scale is None else scale
+    assert_matches(actual, expected, what, rtol=FLOAT64["rtol"], atol=FLOAT64["rtol"] * scale)
+
+
+def _trained(actual, expected, initial, what):
+    """A trained tensor, to 1e-9 of the larger of its largest entry and its displacement's."""
+    scale = max(float(np.abs(expected).max()), float(np.abs(np.asarray(expected) - initial).max()))
+    _scaled(actual, expected, what, scale)
+    return scale
+
+
+def _far(actual, expected, scale) -> float:
+    """How many tolerances (1e-9 x ``scale`` + 1e-9 x |expected|) apart ``actual`` is."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected) / (FLOAT64["rtol"] * (scale + np.abs(expected)))))
+
+
+def _strategy(method, tmp_path, classes=NUM_CLASSES, batch_size=4, **options):
+    """Our server of ``method`` for protofl's ``cnn`` (512-d features, a Linear(512, C) head)."""
+    settings = ExperimentSettings(method=method, model="cnn", seed=0, batch_size=batch_size, amp="off",
+                                  channels_last=False, output_dir=str(tmp_path), run_name="conformance",
+                                  options=options)
+    data = ClientData(0, classes, torch.zeros(2, 1, 16, 16), torch.arange(2), torch.zeros(2, 1, 16, 16),
+                      torch.arange(2))
+    strategy = get_method(method)[0](settings, build_method_model(settings, data), classes)
+    names = list(strategy.model.state_dict())
+    return strategy, [names[i] for i in strategy.shared_indices]
+
+
+def _pairs(given):
+    """Our pairs (prototype_pairs), and the position in our list of each of their pairs."""
+    prototypes, labels = prototype_pairs(given["means"], given["counts"])
+    clients, classes = np.nonzero(given["counts"] > 0)
+    position = {(int(k), int(c)): i for i, (k, c) in enumerate(zip(clients, classes))}
+    theirs = [position[(int(k), int(c))] for k, c in zip(given["pair_clients"], given["pair_classes"])]
+    return prototypes, labels, np.array(theirs)
+
+
+def _our_orders(given, position):
+    """Their epochs' orders (indices into their pair list) as indices into ours."""
+    return [torch.from_numpy(position[order]) for order in given["orders"]]
+
+
+def _statistics(given, k) -> ClassStatistics:
+    """Client k's class statistics as they come off our wire (float32 means)."""
+    means = given["means"][k].astype(np.float32)
+    np.testing.assert_array_equal(means, given["means"][k])  # the fixture's values are exact in float32
+    return ClassStatistics(means, given["counts"][k])
+
+
+def _batches(given):
+    x, y, b = torch.from_numpy(given["x"]), torch.from_numpy(given["y"]), int(given["batch_size"])
+    return [(x[s:s + b], y[s:s + b]) for s in range(0, len(y) - b + 1, b)]  # their drop_last, shuffle=False
+
+
+def _assert_trained_net(net, given, theirs):
+    for name, tensor in net.state_dict().items():
+        _trained(tensor.detach().numpy(), theirs[f"trained.{name}"], given[f"model.{name}"], f"the trained {name}")
+
+
+# --- LG-FedAvg ----------------------------------------------------------------------------------
+
+def test_lgfedavg_head_average_equals_aggregate_parameters(tmp_path):
+    """The heads averaged by training size (their uploaded_weights: train_samples / total), the
+    body not shared."""
+    fixture = load_fixture("htfllib-lgfedavg-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    sizes = given["sizes"]
+    np.testing.assert_allclose(theirs["uploaded_weights"], sizes[theirs["uploaded_ids"]] / sizes.sum(), rtol=1e-15)
+    strategy, names = _strategy("lgfedavg", tmp_path)
+    assert names == ["head.weight", "head.bias"]
+    strategy.admission.sent_parameters = strategy.shared_weights()
+    updates = [ClientUpdate(i, int(n), [given[f"client{i}.weight"], given[f"client{i}.bias"]], None)
+               for i, n in enumerate(sizes)]
+    weight, bias = strategy.aggregate_updates(1, updates)
+    for name, ours in (("weight", weight), ("bias", bias)):
+        scale = max(np.abs(given[f"client{i}.{name}"]).max() for i in range(len(sizes)))
+        _scaled(ours, theirs[name], f"the aggregate head.{name}", scale)
+        unweighted = np.mean([given[f"client{i}.{name}"] for i in range(len(sizes))], axis=0)
+        assert _far(unweighted, theirs[name], scale) > 1e6  # the plain mean is far off
+
+
+# --- FedGH --------------------------------------------------------------------------------------
+
+def test_fedgh_prototype_pairs_are_their_uploaded_pairs():
+    """prototype_pairs gives the (prototype, class) pairs of receive_protos: the same set, exactly
+    (theirs in another order: their clients in random.sample's order, classes in dict order)."""
+    given, theirs = load_fixture("htfllib-fedgh-server").inputs, load_fixture("htfllib-fedgh-server").outputs
+    prototypes, labels, position = _pairs(given)
+    assert sorted(position.tolist()) == list(range(len(labels)))  # one to one
+    assert (position != np.arange(len(labels))).any()  # (another order: the translation matters)
+    np.testing.assert_array_equal(prototypes[position], theirs["prototypes"])
+    np.testing.assert_array_equal(labels[position], theirs["labels"])
+
+
+def test_fedgh_train_head_equals_train_head():
+    """Eq. 5: SGD with cross-entropy of the head on the pairs, in their loader's batches (7 pairs in
+    batches of 3: 3, 3, 1), epochs x steps from the head the server holds."""
+    fixture = load_fixture("htfllib-fedgh-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    prototypes, labels, position = _pairs(given)
+    initial = {k: torch.from_numpy(given[f"initial.{k}"]) for k in ("weight", "bias")}
+
+    def trained(orders):
+        return train_head(nn.Linear(prototypes.shape[1], NUM_CLASSES), initial, torch.from_numpy(prototypes),
+                          torch.from_numpy(labels), int(given["server_epochs"]),
+                          float(given["server_learning_rate"]), int(given["batch_size"]), iter(orders))
+
+    ours = trained(_our_orders(given, position))
+    for name in ("weight", "bias"):
+        scale = _trained(ours[name], theirs[name], given[f"initial.{name}"], f"the trained head's {name}")
+    untranslated = trained([torch.from_numpy(o) for o in given["orders"]])  # their indices into our list
+    assert _far(untranslated["weight"], theirs["weight"], scale) > 1e6
+
+
+def test_fedgh_strategy_step_equals_receive_protos_and_train_head(tmp_path, monkeypatch):
+    """FedGHStrategy.aggregate_updates: the head it sent trained on the pairs of the clients' class
+    statistics (server-epochs, server-lr, the run's batch size), its shuffles replaced by their orders."""
+    fixture = load_fixture("htfllib-fedgh-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    _, labels, position = _pairs(given)
+    strategy, names = _strategy("fedgh", tmp_path, batch_size=int(given["batch_size"]),
+                                **{"server-epochs": int(given["server_epochs"]),
+                                   "server-lr": float(given["server_learning_rate"])})
+    assert names == ["head.weight", "head.bias"]
+    strategy.admission.sent_parameters = [given["initial.weight"], given["initial.bias"]]
+
+    def their_orders(n, generator):
+        assert n == len(labels)
+        return iter(_our_orders(given, position))
+
+    monkeypatch.setattr(fedgh, "shuffles", their_orders)
+    updates = [ClientUpdate(k, int(n), list(strategy.admission.sent_parameters), _statistics(given, k))
+               for k, n in enumerate(given["sizes"])]
+    weight, bias = strategy.aggregate_updates(1, updates)
+    _trained(weight, theirs["weight"], given["initial.weight"], "the server's trained head.weight")
+    _trained(bias, theirs["bias"], given["initial.bias"], "the server's trained head.bias")
+
+
+# --- FedTGP -------------------------------------------------------------------------------------
+
+def test_fedtgp_margin_equals_receive_protos_gap():
+    """Eq. 8: the class means, the unweighted mean over the uploaders (their proto_cluster; exact:
+    the fixture's means of two multiples of 1/16); the margin, min(max_gap, threshold), each class's
+    gap its distance to the nearest other mean, class 4 (uploaded by nobody) the smallest gap."""
+    fixture = load_fixture("htfllib-fedtgp-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    means, mask = aggregate_prototypes(given["means"].astype(np.float32), given["counts"], "uniform")
+    np.testing.assert_array_equal(mask, theirs["held"])
+    np.testing.assert_array_equal(means, theirs["class_means"])
+    threshold = float(given["margin_threthold"])
+    assert theirs["max_gap"] < threshold  # the margin is the largest gap
+    margin = adaptive_margin(means, mask, threshold)
+    assert_matches(margin, theirs["margin"], "the margin")
+    assert theirs["gap"][~theirs["held"]] == theirs["min_gap"]  # (their class without a mean)
+    assert _far(theirs["min_gap"], margin, 0.0) > 1e6  # the smallest gap is far off
+    small = float(theirs["min_gap"]) / 2
+    assert adaptive_margin(means, mask, small) == min(float(theirs["max_gap"]), small)
+
+
+def _seeded_prototypes(given, theirs) -> TrainablePrototypes:
+    """Ours, made after their seed: Embedding, Linear, Linear drawn in their order, the same values."""
+    torch.manual_seed(int(given["tgp_seed"]))
+    module = TrainablePrototypes(TGP_CLASSES, given["means"].shape[2])
+    for name, tensor in module.state_dict().items():
+        expected = theirs[f"initial.{name}"]
+        assert_matches(fingerprint(tensor.numpy()), expected, f"the initial {name}", rtol=0.0,
+                       atol=FLOAT64["rtol"] * expected[1])
+    return module
+
+
+def _assert_tgp(module, initial, theirs, what):
+    for name, tensor in module.state_dict().items():
+        expected = theirs[f"displacement.{name}"]
+        assert_matches(fingerprint((tensor - initial[name]).numpy()), expected, f"{what} {name}'s displacement",
+                       rtol=0.0, atol=FLOAT64["rtol"] * expected[1])
+
+
+def test_fedtgp_train_prototypes_equals_update_TGP():
+    """Eq. 7: SGD of the trainable prototypes on CE over -(||p - G_j|| + margin [j = y]) in their
+    loader's batches, then every class's G_c in eval mode (their global_protos)."""
+    fixture = load_fixture("htfllib-fedtgp-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    prototypes, labels, position = _pairs(given)
+
+    def trained(margin):
+        module = _seeded_prototypes(given, theirs)
+        initial = {k: v.clone() for k, v in module.state_dict().items()}
+        train_prototypes(module, torch.from_numpy(prototypes), torch.from_numpy(labels), margin,
+                         int(given["server_epochs"]), float(given["local_learning_rate"]), int(given["batch_size"]),
+                         iter(_our_orders(given, position)))
+        return module, initial
+
+    module, initial = trained(float(theirs["margin"]))
+    _assert_tgp(module, initial, theirs, "the trained")
+    with torch.no_grad():
+        ours = module.eval()(torch.arange(TGP_CLASSES)).numpy()
+    _scaled(ours, theirs["global_prototypes"], "the global prototypes")
+    unmargined, _ = trained(0.0)
+    expected = theirs["displacement.out.bias"]
+    assert _far(fingerprint((unmargined.out.bias - initial["out.bias"]).detach().numpy()), expected, expected[1]) > 1e6
+
+
+def test_fedtgp_strategy_step_equals_receive_protos_and_update_TGP(tmp_path, monkeypatch):
+    """FedTGPStrategy.aggregate_updates: the margin from the clients' class statistics, the
+    prototypes trained on their pairs (its shuffles replaced by their orders; server-lr = their
+    local_learning_rate, which their server trains at), every class's G_c sent as a float32 global
+    prototype."""
+    fixture = load_fixture("htfllib-fedtgp-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    _, labels, position = _pairs(given)
+    strategy, names = _strategy("fedtgp", tmp_path, classes=TGP_CLASSES, batch_size=int(given["batch_size"]),
+                                **{"server-epochs": int(given["server_epochs"]),
+                                   "server-lr": float(given["local_learning_rate"]),
+                                   "margin-threshold": float(given["margin_threthold"])})
+    assert names == []  # nothing of the model is shared
+    seeded = _seeded_prototypes(given, theirs)
+    strategy.prototype_model.load_state_dict(seeded.state_dict())
+    initial = {k: v.clone() for k, v in seeded.state_dict().items()}
+
+    def their_orders(n, generator):
+        assert n == len(labels)
+        return iter(_our_orders(given, position))
+
+    monkeypatch.setattr(fedtgp, "shuffles", their_orders)
+    updates = [ClientUpdate(k, 10, [], _statistics(given, k)) for k in range(len(given["means"]))]
+    assert strategy.aggregate_updates(1, updates) is None
+    _assert_tgp(strategy.prototype_model, initial, theirs, "the server's")
+    sent = strategy.global_prototypes
+    assert sent.mask.all() and sent.vectors.dtype == np.float32
+    scale = float(np.abs(theirs["global_prototypes"]).max())
+    assert_matches(sent.vectors, theirs["global_prototypes"], "the global prototypes sent",
+                   **float32_roundings(1, scale))
+
+
+def test_fedtgp_client_round_equals_clientTGP_train():
+    """The client's loss per batch, CE + lambda * prototype_loss (every class has a global
+    prototype: their MSELoss(proto_new, rep) over B x d), the model after its SGD steps, and the
+    prototypes it uploads: per-class means of an eval pass of the trained body (float32)."""
+    fixture = load_fixture("htfllib-fedtgp-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    prototypes = torch.from_numpy(given["global_prototypes"])
+    everywhere = torch.ones(NUM_CLASSES, dtype=torch.bool)
+
+    def round_(lamda):
+        net = split_net(given)
+        optimizer = torch.optim.SGD(net.parameters(), lr=float(given["local_learning_rate"]))
+        ce, losses = [], []
+        for x, y in _batches(given):
+            features = net.base(x)
+            cross_entropy = F.cross_entropy(net.head(features), y)
+            loss = cross_entropy + lamda * prototype_loss(features, y, prototypes, everywhere)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ce.append(cross_entropy.item())
+            losses.append(loss.item())
+        return net, np.array(ce), np.array(losses)
+
+    net, ce, losses = round_(float(given["lamda"]))
+    assert_matches(ce, theirs["ce"], "the cross-entropy per batch")
+    assert_matches(losses, theirs["loss"], "the loss per batch")
+    _assert_trained_net(net, given, theirs)
+    with torch.no_grad():
+        means, counts = class_means(net.eval().base(torch.from_numpy(given["x"])), torch.from_numpy(given["y"]),
+                                    NUM_CLASSES)
+    np.testing.assert_array_equal(counts > 0, theirs["held"])
+    scale = float(np.abs(theirs["prototypes"]).max())
+    assert_matches(means, theirs["prototypes"], "the uploaded prototypes", **float32_roundings(1, scale))
+    _, _, summed_over_d = round_(float(given["lamda"]) * given["global_prototypes"].shape[1])
+    assert _far(summed_over_d, theirs["loss"], 0.0) > 1e6  # the MSE summed over d, not averaged
+
+
+# --- FedDistill ---------------------------------------------------------------------------------
+
+def test_feddistill_global_logits_equal_proto_aggregation(tmp_path):
+    """The global logit of a class: the unweighted mean of the uploaders' (their proto_aggregation),
+    none for a class nobody uploaded; float32 (the wire's), by aggregate_prototypes and by the
+    strategy (FedProto's server with the uniform weighting)."""
+    fixture = load_fixture("htfllib-feddistill-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    uploads = given["means"].astype(np.float32)
+    np.testing.assert_array_equal(uploads, given["means"])  # float32 values: the wire changes nothing
+    tolerance = float32_roundings(1, float(np.abs(theirs["global_logits"]).max()))
+    logits, available = aggregate_prototypes(uploads, given["counts"], "uniform")
+    np.testing.assert_array_equal(available, theirs["available"])
+    assert_matches(logits, theirs["global_logits"], "the global logits", **tolerance)
+    np.testing.assert_array_equal(logits[~available], 0.0)
+    strategy, _ = _strategy("feddistill", tmp_path)
+    updates = [ClientUpdate(k, int(c.sum()), [], ClassStatistics(uploads[k], c)) for k, c in enumerate(given["counts"])]
+    strategy.aggregate_updates(1, updates)
+    np.testing.assert_array_equal(strategy.global_prototypes.mask, theirs["available"])
+    assert_matches(strategy.global_prototypes.vectors, theirs["global_logits"], "the strategy's global logits",
+                   **tolerance)
+    by_count, _ = aggregate_prototypes(uploads, given["counts"], "count")
+    assert np.abs(by_count - theirs["global_logits"]).max() > 1e3 * tolerance["atol"]
+
+
+def test_feddistill_client_round_equals_clientFD_train():
+    """The loss per batch, CE + lambda * distillation_loss with HtFLlib's raw-logit target (a class
+    without a global logit: the sample's own, detached), the model after the steps, and the uploaded
+    per-class mean logits over every batch's training-mode outputs (our during-train FeatureSums)."""
+    fixture = load_fixture("htfllib-feddistill-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    global_logits, available = torch.from_numpy(given["global_logits"]), torch.from_numpy(given["available"])
+    assert not available.all() and (~available[torch.from_numpy(given["y"])]).any()  # some samples' class has none
+    lamda = float(given["lamda"])
+
+    def round_(softmax_target):
+        net = split_net(given)
+        optimizer = torch.optim.SGD(net.parameters(), lr=float(given["local_learning_rate"]))
+        seen = FeatureSums(NUM_CLASSES, NUM_CLASSES, torch.device("cpu"))
+        ce, distilled, losses = [], [], []
+        for x, y in _batches(given):
+            logits = net(x)
+            seen.add(logits, y)
+            cross_entropy = F.cross_entropy(logits, y)
+            distillation = distillation_loss(logits, y, global_logits, available, softmax_target)
+            loss = cross_entropy + lamda * distillation
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ce.append(cross_entropy.item())
+            distilled.append(distillation.item())
+            losses.append(loss.item())
+        return net, seen, np.array(ce), np.array(distilled), np.array(losses)
+
+    net, seen, ce, distilled, losses = round_(False)  # target = "logits"
+    assert_matches(ce, theirs["ce"], "the cross-entropy per batch")
+    assert_matches(distilled, theirs["distillation"], "the distillation term per batch")
+    assert_matches(losses, theirs["loss"], "the loss per batch")
+    _assert_trained_net(net, given, theirs)
+    np.testing.assert_array_equal(seen.counts.numpy() > 0, theirs["held"])
+    scale = float(np.abs(theirs["logits"]).max())
+    assert_matches(seen.means(), theirs["logits"], "the uploaded mean logits", **float32_roundings(1, scale))
+    *_, softmax_losses = round_(True)
+    assert _far(softmax_losses, theirs["loss"], 0.0) > 1e6  # the softmax target is another loss
+
+
+# --- FedGen -------------------------------------------------------------------------------------
+
+def _generator(given, prefix, feature_dim) -> Generator:
+    """Ours holding their generator's values (fc1 -> hidden, fc -> out), in training mode."""
+    generator = Generator(int(given["noise_dim"]), NUM_CLASSES, int(given["hidden_dim"]), feature_dim)
+    generator.load_state_dict({ours: torch.from_numpy(np.array(given[f"{prefix}.{ours}"]))
+                               for ours in GENERATOR_NAMES.values()})
+    return generator.train()
+
+
+def _assert_generator(generator, given, theirs, what):
+    for name in GENERATOR_NAMES.values():
+        ours, expected = generator.state_dict()[name].numpy(), theirs[f"trained.{name}"]
+        if name.endswith("num_batches_tracked"):
+            np.testing.assert_array_equal(ours, expected)
+            continue
+        _trained(ours, expected, given[f"initial.{name}"], f"{what} {name}")
+
+
+def _server_heads(given):
+    sizes = given["sizes"]
+    heads = [{k: torch.from_numpy(given[f"client{i}.{k}"]) for k in ("weight", "bias")} for i in range(len(sizes))]
+    return heads, torch.from_numpy(sizes.astype(np.float64))
+
+
+def test_fedgen_train_generator_equals_train_generator():
+    """Eq. 4: Adam steps (a fresh Adam at generator-lr) of G in training mode on CE of the clients'
+    heads' logits summed with training-size weights, on their draws (labels, noise) step by step."""
+    fixture = load_fixture("htfllib-fedgen-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    heads, sizes = _server_heads(given)
+    feature_dim = given["client0.weight"].shape[1]
+
+    def trained(train_mode=True):
+        generator = _generator(given, "initial", feature_dim).train(train_mode)
+        optimizer = torch.optim.Adam(generator.parameters(), lr=float(given["generator_learning_rate"]))
+        losses = []
+        for labels, noise in zip(given["labels"], given["noise"]):
+            labels = torch.from_numpy(labels)
+            loss = ensemble_loss(nn.Linear(feature_dim, NUM_CLASSES), heads, sizes / sizes.sum(),
+                                 generator(labels, torch.from_numpy(noise)), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return generator, np.array(losses)
+
+    generator, losses = trained()
+    assert_matches(losses, theirs["loss"], "the generator's loss per step")
+    _assert_generator(generator, given, theirs, "the trained generator's")
+    _, eval_losses = trained(train_mode=False)
+    assert _far(eval_losses, theirs["loss"], 0.0) > 1e6  # BatchNorm on its running statistics is another G
+
+
+def test_fedgen_strategy_step_equals_train_generator_and_aggregate_parameters(tmp_path, monkeypatch):
+    """FedGenStrategy.aggregate_updates: the heads averaged by training size (their
+    aggregate_parameters) and its generator trained (server-epochs, generator-lr, the run's batch
+    size) on labels from the clients' uploaded class counts, its draws replaced by theirs."""
+    fixture = load_fixture("htfllib-fedgen-server")
+    given, theirs = fixture.inputs, fixture.outputs
+    strategy, names = _strategy("fedgen", tmp_path, batch_size=int(given["batch_size"]), **{
+        "noise-dim": int(given["noise_dim"]), "hidden-dim": int(given["hidden_dim"]),
+        "generator-lr": float(given["generator_learning_rate"]), "server-epochs": int(given["server_epochs"])})
+    assert names == ["head.weight", "head.bias"]
+    feature_dim = given["client0.weight"].shape[1]
+    strategy.generator.load_state_dict(_generator(given, "initial", feature_dim).state_dict())
+    strategy.admission.sent_parameters = strategy.shared_weights()
+    draws = iter(zip(given["labels"], given["noise"]))
+    distribution = given["class_counts"].sum(axis=0)  # their qualified_labels' distribution
+
+    def their_draws(generator, label_distribution, batch_size, noise_dim, generator_draws):
+        assert (batch_size, noise_dim) == (int(given["batch_size"]), int(given["noise_dim"]))
+        np.testing.assert_array_equal(label_distribution.numpy(), distribution)
+        labels, noise = next(draws)
+        labels = torch.from_numpy(labels)
+        return labels, generator(labels, torch.from_numpy(noise))
+
+    monkeypatch.setattr(fedgen, "draw", their_draws)
+    updates = [ClientUpdate(i, int(n), [given[f"client{i}.weight"], given[f"client{i}.bias"]], None, {},
+                            {LABEL_COUNTS: given["class_counts"][i].astype(np.int64)})
+               for i, n in enumerate(given["sizes"])]
+    weight, bias = strategy.aggregate_updates(1, updates)
+    assert next(draws, None) is None  # every step drew
+    for name, ours in (("weight", weight), ("bias", bias)):
+        scale = max(np.abs(given[f"client{i}.{name}"]).max() for i in range(len(updates)))
+        _scaled(ours, theirs[f"head.{name}"], f"the aggregate head.{name}", scale)
+    _assert_generator(strategy.generator, given, theirs, "the server's generator's")
+
+
+def test_fedgen_client_round_equals_clientGen_train():
+    """The client's loss per batch, CE(f(x), y) + CE(head(G(y~)), y~) (FedGenClient.batch_loss's
+    term: G in training mode, not trained), on their draws, and the model after the steps."""
+    fixture = load_fixture("htfllib-fedgen-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    batches = _batches(given)
+    assert len(given["labels"]) == len(batches)
+
+    def round_(train_mode=True):
+        net = split_net(given)
+        generator = _generator(given, "generator", net.head.in_features).train(train_mode).requires_grad_(False)
+        optimizer = torch.optim.SGD(net.parameters(), lr=float(given["local_learning_rate"]))
+        ce, generated, losses = [], [], []
+        for (x, y), labels, noise in zip(batches, given["labels"], given["noise"]):
+            labels = torch.from_numpy(labels)
+            cross_entropy = F.cross_entropy(net(x), y)
+            with torch.no_grad():
+                features = generator(labels, torch.from_numpy(noise))
+            term = F.cross_entropy(net.head(features), labels)
+            loss = cross_entropy + term
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ce.append(cross_entropy.item())
+            generated.append(term.item())
+            losses.append(loss.item())
+        return net, np.array(ce), np.array(generated), np.array(losses)
+
+    net, ce, generated, losses = round_()
+    assert_matches(ce, theirs["ce"], "the cross-entropy per batch")
+    assert_matches(generated, theirs["generated"], "the generated features' cross-entropy per batch")
+    assert_matches(losses, theirs["loss"], "the loss per batch")
+    _assert_trained_net(net, given, theirs)
+    *_, eval_generated, _ = round_(train_mode=False)
+    assert _far(eval_generated, theirs["generated"], 0.0) > 1e6
