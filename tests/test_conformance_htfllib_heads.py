@@ -91,13 +91,18 @@ def _far(actual, expected, scale) -> float:
     return float(np.max(np.abs(actual - expected) / (FLOAT64["rtol"] * (scale + np.abs(expected)))))
 
 
-def _strategy(method, tmp_path, classes=NUM_CLASSES, batch_size=4, **options):
-    """Our server of ``method`` for protofl's ``cnn`` (512-d features, a Linear(512, C) head)."""
-    settings = ExperimentSettings(method=method, model="cnn", seed=0, batch_size=batch_size, amp="off",
+MODELS = {"cnn": (1, 16), "fednh-cnn": (3, 32)}  # protofl's model -> its inputs' channels and size
+
+
+def _strategy(method, tmp_path, classes=NUM_CLASSES, batch_size=4, model="cnn", **options):
+    """Our server of ``method`` for protofl's ``model`` (``cnn``: 512-d features, a Linear(512, C)
+    head; ``fednh-cnn``: 192-d features)."""
+    settings = ExperimentSettings(method=method, model=model, seed=0, batch_size=batch_size, amp="off",
                                   channels_last=False, output_dir=str(tmp_path), run_name="conformance",
                                   options=options)
-    data = ClientData(0, classes, torch.zeros(2, 1, 16, 16), torch.arange(2), torch.zeros(2, 1, 16, 16),
-                      torch.arange(2))
+    channels, size = MODELS[model]
+    images = torch.zeros(2, channels, size, size)
+    data = ClientData(0, classes, images, torch.arange(2), images, torch.arange(2))
     strategy = get_method(method)[0](settings, build_method_model(settings, data), classes)
     names = list(strategy.model.state_dict())
     return strategy, [names[i] for i in strategy.shared_indices]
@@ -286,10 +291,10 @@ def test_fedtgp_strategy_step_equals_receive_protos_and_update_TGP(tmp_path, mon
     given, theirs = fixture.inputs, fixture.outputs
     _, labels, position = _pairs(given)
     strategy, names = _strategy("fedtgp", tmp_path, classes=TGP_CLASSES, batch_size=int(given["batch_size"]),
-                                **{"server-epochs": int(given["server_epochs"]),
+                                model="fednh-cnn", **{"server-epochs": int(given["server_epochs"]),
                                    "server-lr": float(given["local_learning_rate"]),
                                    "margin-threshold": float(given["margin_threthold"])})
-    assert names == []  # nothing of the model is shared
+    assert names == [] and strategy.feature_dim == given["means"].shape[2]  # nothing of the model is shared
     seeded = _seeded_prototypes(given, theirs)
     strategy.prototype_model.load_state_dict(seeded.state_dict())
     initial = {k: v.clone() for k, v in seeded.state_dict().items()}
@@ -312,7 +317,10 @@ def test_fedtgp_strategy_step_equals_receive_protos_and_update_TGP(tmp_path, mon
 def test_fedtgp_client_round_equals_clientTGP_train():
     """The client's loss per batch, CE + lambda * prototype_loss (every class has a global
     prototype: their MSELoss(proto_new, rep) over B x d), the model after its SGD steps, and the
-    prototypes it uploads: per-class means of an eval pass of the trained body (float32)."""
+    prototypes: per-class means of an eval pass of the body (float32). Ours are the trained body's;
+    theirs are the body's the round started from (their train calls collect_protos before it saves
+    the trained model, and collect_protos loads the saved one): the test checks our class_means of
+    that body's eval pass against their upload, and that the trained body's are far from it."""
     fixture = load_fixture("htfllib-fedtgp-client")
     given, theirs = fixture.inputs, fixture.outputs
     prototypes = torch.from_numpy(given["global_prototypes"])
@@ -337,12 +345,17 @@ def test_fedtgp_client_round_equals_clientTGP_train():
     assert_matches(ce, theirs["ce"], "the cross-entropy per batch")
     assert_matches(losses, theirs["loss"], "the loss per batch")
     _assert_trained_net(net, given, theirs)
-    with torch.no_grad():
-        means, counts = class_means(net.eval().base(torch.from_numpy(given["x"])), torch.from_numpy(given["y"]),
-                                    NUM_CLASSES)
+
+    def prototypes_of(body):
+        with torch.no_grad():
+            return class_means(body.eval()(torch.from_numpy(given["x"])), torch.from_numpy(given["y"]), NUM_CLASSES)
+
+    tolerance = float32_roundings(1, float(np.abs(theirs["prototypes"]).max()))
+    means, counts = prototypes_of(split_net(given).base)  # the body received (theirs: before training)
     np.testing.assert_array_equal(counts > 0, theirs["held"])
-    scale = float(np.abs(theirs["prototypes"]).max())
-    assert_matches(means, theirs["prototypes"], "the uploaded prototypes", **float32_roundings(1, scale))
+    assert_matches(means, theirs["prototypes"], "the uploaded prototypes", **tolerance)
+    trained_means, _ = prototypes_of(net.base)  # ours: the trained body's
+    assert np.abs(trained_means - theirs["prototypes"]).max() > 1e3 * tolerance["atol"]
     _, _, summed_over_d = round_(float(given["lamda"]) * given["global_prototypes"].shape[1])
     assert _far(summed_over_d, theirs["loss"], 0.0) > 1e6  # the MSE summed over d, not averaged
 
@@ -424,12 +437,23 @@ def _generator(given, prefix, feature_dim) -> Generator:
 
 
 def _assert_generator(generator, given, theirs, what):
+    """The generator's entries after the Adam steps. The bias of the Linear before the BatchNorm
+    has a gradient of exactly 0 (the BatchNorm subtracts the batch mean), computed as rounding noise
+    |g| <= 1e-15; Adam's step lr m / (sqrt(v) + 1e-8) turns it into moves of up to lr x 1e-7 each:
+    on both sides that bias stays within steps x lr x 1e-7 of its start, and so do they of each
+    other."""
+    steps, lr = len(given["labels"]), float(given["generator_learning_rate"])
     for name in GENERATOR_NAMES.values():
         ours, expected = generator.state_dict()[name].numpy(), theirs[f"trained.{name}"]
         if name.endswith("num_batches_tracked"):
             np.testing.assert_array_equal(ours, expected)
-            continue
-        _trained(ours, expected, given[f"initial.{name}"], f"{what} {name}")
+        elif name == "hidden.0.bias":
+            noise = steps * lr * 1e-7
+            for moved in (ours, expected):
+                assert np.abs(moved - given[f"initial.{name}"]).max() <= noise, f"{what} {name} moved"
+            assert_matches(ours, expected, f"{what} {name}", rtol=0.0, atol=noise)
+        else:
+            _trained(ours, expected, given[f"initial.{name}"], f"{what} {name}")
 
 
 def _server_heads(given):

@@ -14,9 +14,8 @@ carries the seed whose ``torch.randperm`` gave the order their loader took its i
 Tolerances. Both sides compute in float64 and nothing here is rounded to float32 (our parameters and
 losses keep the model's dtype on the wire): one formula agrees to ``FLOAT64`` (rtol 1e-9, derived in
 tests/conformance/common.py: a few SGD steps that amplify at most 10-fold, sums that cancel at most
-100-fold). Clipping multiplies a gradient by 10 / ||g||, a smooth function of g where it acts (no
-norm of the fixtures lies near 10: the ``clip_norms``), so it adds no amplification beyond the SGD
-steps'. Model entries are compared through fingerprints (a difference d moves each projection by
+100-fold). Clipping, g -> g min(1, 10 / ||g||), moves a difference in g by at most twice it, within
+the SGD steps' amplification. Model entries are compared through fingerprints (a difference d moves each projection by
 about |d|) with ``atol = 1e-9 x scale``, ``scale`` the norm of the terms the value is computed from
 (n u sum|terms| is the rounding bound; the norms are the fixture's):
 
@@ -42,8 +41,6 @@ import torch
 import torch.nn.functional as F
 from conformance.common import FLOAT64, assert_matches, fingerprint, load_fixture
 from conformance.htfllib_mutual import (
-    ALPHA,
-    BETA,
     COMPRESSION_SHAPES,
     ENERGIES,
     NUM_CLASSES,
@@ -165,8 +162,8 @@ def _one_round(method, case, tmp_path):
         _assert_model(shared, shared_names, theirs, f"{prefix}.trained.shared")
         if method == "fedkd":
             _assert_fingerprint(seen["initial_map"], theirs["initial.hidden_map.weight"], f"{prefix} initial W_h")
-            _assert_fingerprint(client.hidden_map.weight.detach().numpy(), theirs[f"{prefix}.trained.hidden_map.weight"],
-                                f"{prefix} trained W_h")
+            _assert_fingerprint(client.hidden_map.weight.detach().numpy(),
+                                theirs[f"{prefix}.trained.hidden_map.weight"], f"{prefix} trained W_h")
             for name, array in zip(shared_names, arrays):  # the compressed mentee that goes up
                 _assert_fingerprint(array, theirs[f"{prefix}.upload.{name}"], f"{prefix} upload {name}",
                                     theirs[f"{prefix}.trained.shared.{name}"][1])
@@ -230,7 +227,8 @@ def _check_pure_and_wrong(method, fixture, wrong):
     for label, module in zip(labels, right):
         _assert_model(_arrays(module), names(module), theirs, f"client0.trained.{label}")
     missed = _pure_round(method, given, 0, **wrong)
-    assert min(_misses_model(m, names(m), theirs, f"client0.trained.{label}") for label, m in zip(labels[:2], missed)) >= WRONG
+    misses = [_misses_model(m, names(m), theirs, f"client0.trained.{label}") for label, m in zip(labels, missed)]
+    assert min(misses[:2]) >= WRONG  # the own model and the shared one
 
 
 @pytest.mark.parametrize("case", ["plain", "clipped"])
@@ -317,7 +315,7 @@ def test_fedkd_flat_spectrum_differs_from_htfllib():
     for energy in ENERGIES:
         assert int(fixture.outputs[f"{energy}.flat.rank"]) == 0
         assert not fixture.outputs[f"{energy}.flat"].any()  # theirs: zeros
-        np.testing.assert_array_equal(low_rank(flat, energy), flat)  # ours: the input
+        _assert_whole(low_rank(flat, energy), flat, f"ours at {energy}")  # ours: the input (its SVD rebuilt)
 
 
 def test_fedkd_energy_schedule_equals_htfllib(tmp_path):

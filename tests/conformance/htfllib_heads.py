@@ -17,7 +17,8 @@ paths called casts back to float32). What was adapted, and nothing else:
 - Their clients' model is a small ``BaseHeadSplit``-like :class:`SplitNet` (``.base``: Linear(6, 8)
   + ReLU, the 8-d feature; ``.head``: Linear(8, 4)), its initial values seeded and stored. The
   servers' heads are ``nn.Linear(512, C)`` (the feature size of protofl's ``cnn``, so that the
-  tests can also run our strategies, whose feature size is their model's).
+  tests can also run our strategies, whose feature size is their model's), FedTGP's prototypes
+  192-d (protofl's ``fednh-cnn``'s: the trainable prototypes' d x d layers cost less than at 512).
 - Their random draws are recorded: ``random.sample`` (the order of the uploads) is seeded, and the
   uploads' order stored; the orders their ``DataLoader(shuffle=True)`` drew each epoch (a spy on
   ``RandomSampler.__iter__``, as ``fednh_creff``); FedGen's labels (a spy on ``np.random.choice``)
@@ -31,23 +32,26 @@ the order of first appearance):
 - ``htfllib-lgfedavg-server``: ``Server.receive_ids`` and ``LG_FedAvg.aggregate_parameters`` on
   three clients' heads (Linear(512, 4)) of ``SIZES`` training samples: the training-size weighted
   mean.
-- ``htfllib-fedgh-server``: ``FedGH.receive_protos`` then ``train_head`` (``SERVER_EPOCHS`` epochs of
+- ``htfllib-fedgh-server``: ``FedGH.receive_protos`` then ``train_head`` (``FEDGH["server_epochs"]`` epochs of
   SGD at ``server_learning_rate`` with cross-entropy over the uploaded (prototype, class) pairs in
   batches of ``batch_size``) from a seeded Linear(512, 4). The prototypes are multiples of 1/16 (so
   exact in float32: our wire's dtype changes nothing); their pairs' order (client, class) is stored.
 - ``htfllib-fedtgp-server``: ``FedTGP.receive_protos`` (the class gaps, min_gap, max_gap) then
-  ``update_TGP`` (SGD at their ``local_learning_rate`` of ``Trainable_Global_Prototypes(C, 512, 512)``,
+  ``update_TGP`` (SGD at their ``local_learning_rate`` of ``Trainable_Global_Prototypes(C, 192, 192)``,
   made after ``torch.manual_seed(TGP_SEED)``, on Eq. 7 with margin min(max_gap, margin_threthold)),
   C = 5 with class 4 uploaded by nobody (its gap is min_gap). The prototypes are multiples of 1/16
   and each class is uploaded by at most two clients, so the uniform class means are exact in
-  float32 (our wire's dtype changes nothing). The 512 x 512 weights are stored as
+  float32 (our wire's dtype changes nothing). The 192 x 192 weights are stored as
   ``common.fingerprint``s (of the initial values, the trained ones and their displacement); the
   global prototypes (their ``TGP.eval()`` outputs) in full.
 - ``htfllib-fedtgp-client``: ``clientTGP.train`` (one epoch, two batches of 4) with global
   prototypes for every class, ``lamda`` = 10, then (inside it) ``collect_protos``: each batch's
   cross-entropy and total loss (``self.loss`` wrapped, as ``pfllib_baselines``'s ``_Recorded``:
   their ``loss += ...`` adds the MSE term in place to the tensor it returned), the trained model,
-  the uploaded prototypes.
+  the uploaded prototypes. Their ``train`` calls ``collect_protos`` before it saves the trained
+  model, and ``collect_protos`` loads the saved one: the prototypes they upload are those of the
+  model the round started from (its eval pass, over the batches ``drop_last`` keeps), not of the
+  trained one.
 - ``htfllib-feddistill-server``: ``serverfd.proto_aggregation`` (the unweighted mean over the
   uploaders) of three clients' per-class mean logits (float32-exact values), class 1 uploaded by
   nobody.
@@ -55,7 +59,7 @@ the order of first appearance):
   global logits of the previous fixture (class 1 has none: its target is the sample's own logit),
   ``lamda`` = 0.5: each batch's cross-entropy, distillation term and total, the trained model,
   the uploaded per-class mean logits (``agg_func`` over every batch's training-mode outputs).
-- ``htfllib-fedgen-server``: ``Server.receive_ids``, ``FedGen.train_generator`` (``SERVER_EPOCHS``
+- ``htfllib-fedgen-server``: ``Server.receive_ids``, ``FedGen.train_generator`` (``FEDGEN["server_epochs"]``
   Adam steps of their ``Generator(noise, C, hidden, 512)``, made after ``torch.manual_seed``, on the
   cross-entropy of the training-size weighted sum of the clients' heads' logits), then
   ``aggregate_parameters``; ``qualified_labels`` as their constructor builds it from the clients'
@@ -64,8 +68,8 @@ the order of first appearance):
   which ``make`` asserts): the trained generator is taken from the store's record of what it loaded.
 - ``htfllib-fedgen-client``: ``clientGen.train`` (one epoch, two batches of 4) with a seeded
   generator in training mode (their server saves it so, from its constructor, and, as above, never
-  saves a trained one): each batch's labels and noise drawn, the
-  cross-entropy of the batch, of the generated features, and the total; the trained model.
+  saves a trained one): each batch's labels and noise drawn, the cross-entropy of the batch, of
+  the generated features, and the total; the trained model.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ SNAPSHOTS = {"htfllib": Snapshot("TsingZ0/HtFLlib", "e959261d906f40377410bc4d9d1
 NUM_CLASSES = 4
 IN_DIM, SMALL_DIM = 6, 8  # the clients' SplitNet: inputs, features
 WIDE_DIM = 512  # the servers' heads and prototypes: protofl's cnn's feature size
+TGP_DIM = 192  # FedTGP's prototypes: protofl's fednh-cnn's feature size (its 512 x 512 layers cost 7x more)
 SIZES = (7, 12, 5)  # the clients' training samples (their train_samples; our num_examples)
 # the classes each client uploads, in their dict's order (the order of first appearance)
 CLIENT_CLASSES = ((2, 0), (3, 1, 2), (0, 1))
@@ -308,15 +313,15 @@ def _lgfedavg(m) -> tuple[dict, dict]:
     return inputs, outputs
 
 
-def _uploaded_prototypes(seed: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
-    """K x classes x 512 prototypes (class centre + client noise, multiples of 1/16) and K x classes
+def _uploaded_prototypes(seed: int, classes: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """K x classes x dim prototypes (class centre + client noise, multiples of 1/16) and K x classes
     counts, zero where a client does not hold the class (``CLIENT_CLASSES``)."""
     rng = seeded(seed)
-    centres = _quantized(rng, (classes, WIDE_DIM), 1.0)
-    means, counts = np.zeros((len(SIZES), classes, WIDE_DIM)), np.zeros((len(SIZES), classes), dtype=np.int64)
+    centres = _quantized(rng, (classes, dim), 1.0)
+    means, counts = np.zeros((len(SIZES), classes, dim)), np.zeros((len(SIZES), classes), dtype=np.int64)
     for k, held in enumerate(CLIENT_CLASSES):
         for c in held:
-            means[k, c] = centres[c] + _quantized(rng, WIDE_DIM, 0.5)
+            means[k, c] = centres[c] + _quantized(rng, dim, 0.5)
             counts[k, c] = rng.integers(1, 6)
     return means, counts
 
@@ -337,7 +342,7 @@ def _pair_order(server_ids) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fedgh(m) -> tuple[dict, dict]:
-    means, counts = _uploaded_prototypes(41, NUM_CLASSES)
+    means, counts = _uploaded_prototypes(41, NUM_CLASSES, WIDE_DIM)
     torch.manual_seed(HEAD_SEED)
     head = nn.Linear(WIDE_DIM, NUM_CLASSES)
     initial = _state(head, "initial")
@@ -377,10 +382,10 @@ TGP_NAMES = {  # theirs (middle: a Sequential of one Sequential(Linear, ReLU)) -
 
 def _fedtgp(m) -> tuple[dict, dict]:
     servertgp = m["servertgp"]
-    means, counts = _uploaded_prototypes(42, TGP_CLASSES)
+    means, counts = _uploaded_prototypes(42, TGP_CLASSES, TGP_DIM)
     assert ((counts > 0).sum(axis=0) <= 2).all()  # the uniform means exact in float32
     torch.manual_seed(TGP_SEED)
-    tgp = servertgp.Trainable_Global_Prototypes(TGP_CLASSES, WIDE_DIM, WIDE_DIM, "cpu")
+    tgp = servertgp.Trainable_Global_Prototypes(TGP_CLASSES, TGP_DIM, TGP_DIM, "cpu")
     initial = {name: t.detach().clone() for name, t in tgp.state_dict().items()}
     clients = [_stand_in(i, n) for i, n in enumerate(SIZES)]
     with _in_memory(m) as store:
@@ -402,8 +407,8 @@ def _fedtgp(m) -> tuple[dict, dict]:
         global_protos = store.load_item("Server", "global_protos")
     n = len(pair_classes)
     assert len(orders) == FEDTGP["server_epochs"] and all(sorted(o) == list(range(n)) for o in orders)
-    class_means, held = _as_array(averaged, TGP_CLASSES, WIDE_DIM)
-    prototypes, _ = _as_array(global_protos, TGP_CLASSES, WIDE_DIM)
+    class_means, held = _as_array(averaged, TGP_CLASSES, TGP_DIM)
+    prototypes, _ = _as_array(global_protos, TGP_CLASSES, TGP_DIM)
     inputs = {"means": means, "counts": counts, "orders": np.array(orders), "pair_clients": pair_clients,
               "pair_classes": pair_classes, "tgp_seed": np.int64(TGP_SEED)}
     inputs |= {k: np.float64(v) if isinstance(v, float) else np.int64(v) for k, v in FEDTGP.items()}
@@ -610,7 +615,7 @@ CALLS = {
     "fedgh-server": "servers/servergh.py: FedGH.receive_protos (random.seed({seed})), FedGH.train_head "
                     "(torch.manual_seed({loader}); RandomSampler.__iter__ spied on); a seeded Linear(512, 4) head",
     "fedtgp-server": "servers/servertgp.py: FedTGP.receive_protos, FedTGP.update_TGP (torch.manual_seed({loader}); "
-                     "RandomSampler.__iter__ spied on), Trainable_Global_Prototypes(5, 512, 512) made after "
+                     "RandomSampler.__iter__ spied on), Trainable_Global_Prototypes(5, 192, 192) made after "
                      "torch.manual_seed({tgp}); proto_cluster",
     "fedtgp-client": "clients/clienttgp.py: clientTGP.train (and collect_protos) with global prototypes for every "
                      "class; self.loss wrapped to record each batch's loss",

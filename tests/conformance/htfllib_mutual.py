@@ -43,15 +43,18 @@ which each step's losses are summed as their ``train`` does (``loss`` and ``loss
 Fixtures:
 
 - ``htfllib-fml-round-{plain,clipped}``: ``clientFML.train`` on each client (alpha = beta = 0.5,
-  FedSA's scripts; their default is 1), then ``FML.aggregate_parameters`` (the unweighted mean of
-  the clients' trained global models). ``plain``: the images in [-1, 1]; no norm reached 10
-  (checked), so clipping never acted. ``clipped``: the images scaled by ``CLIPPED_SCALE``: both
-  models' gradients exceed 10 at some step (checked), so each is clipped on its own.
+  FedSA's scripts; their ``main.py``'s default is 1), then ``FML.aggregate_parameters`` (the
+  unweighted mean of the clients' trained global models). ``plain``: the images in [-1, 1]; no norm
+  reached 10 (checked), so clipping never acted. ``clipped``: the images scaled by
+  ``CLIPPED_SCALE``: on every client both models' gradients exceed 10 at some step (checked), so
+  each is clipped on its own (FedKD's W_h's stays under 10 there: its clipping never acts).
 - ``htfllib-fedkd-round-{plain,clipped}``: ``clientKD.train`` (energy T_start = 0.95, round 1) on each
   client, its ``compressed_param`` (``decomposition``) recovered (``recover``), then
   ``FedKD.aggregate_parameters`` (recover, unweighted mean, decomposition at 0.95) and client 0's
   ``set_parameters`` (the mentee every client receives). Every matrix's truncation was found
-  (checked) with a margin of at least ``ENERGY_MARGIN`` to the energy (a rank the rounding cannot flip).
+  (checked) with a margin of at least ``ENERGY_MARGIN`` to the energy (a rank the rounding cannot
+  flip). 4 classes: their ``recover`` takes any array of length 3 (a 3-class head's bias) for a
+  factor triple and fails on it.
 - ``htfllib-fedkd-compression``: ``recover(decomposition(...))`` of a 10 x 12 matrix, 8 x 4 x 3 x 3
   and 6 x 4 x 5 x 5 convolution weights, a bias, a 1 x 6 matrix (not compressed: one row) and a
   ``flat`` 4 x 16 matrix (equal singular values: no truncation reaches the energy, HtFLlib returns
@@ -91,7 +94,7 @@ from protofl.task.models import SeededDraws, SplitModel, build_model
 
 SNAPSHOTS = {"htfllib": Snapshot("TsingZ0/HtFLlib", "e959261d906f40377410bc4d9d13ba3f6af56782")}
 
-NUM_CLASSES, IMAGE_SIZE, IN_CHANNELS = 4, 16, 1  # 4 classes: their recover takes any array of length 3 for factors
+NUM_CLASSES, IMAGE_SIZE, IN_CHANNELS = 4, 16, 1  # (not 3 classes: see the docstring)
 SIZES = (14, 11, 9)  # training samples of clients 0..2: 3, 2, 2 steps
 NUM_CLIENTS = len(SIZES)
 BATCH_SIZE, LR, EPOCHS, INIT_SEED, OWN_SEED = 4, 0.05, 1, 0, 10
@@ -149,7 +152,8 @@ def sent_head(feature_dim: int = 512) -> np.ndarray:
     """FedKD's sent head weight: a rank-1 matrix of nn.Linear's scale plus 2% noise (seeded)."""
     rng = seeded(7)
     bound = 1.0 / math.sqrt(feature_dim)
-    u, v = rng.uniform(0.5, 1.0, NUM_CLASSES) * rng.choice([-1, 1], NUM_CLASSES), rng.uniform(-bound, bound, feature_dim)
+    u = rng.uniform(0.5, 1.0, NUM_CLASSES) * rng.choice([-1, 1], NUM_CLASSES)
+    v = rng.uniform(-bound, bound, feature_dim)
     return np.outer(u, v) + 0.02 * rng.uniform(-bound, bound, (NUM_CLASSES, feature_dim))
 
 
@@ -377,8 +381,7 @@ def _round(method: str, case: str, checkout: Path) -> tuple[dict, dict]:
         aggregate = list(store.load_item("Server", "global_model").parameters())
     else:
         server.energy = T_START
-        uploads = [[outputs_array for outputs_array in clientkd.recover(store.load_item(c.role, "compressed_param")).values()]
-                   for c in clients]
+        uploads = [list(clientkd.recover(store.load_item(c.role, "compressed_param")).values()) for c in clients]
         for name, arrays in zip(shared_names, zip(*uploads)):
             mean = sum(a / NUM_CLIENTS for a in arrays)
             if mean.ndim > 1 and mean.shape[0] > 1 and check_truncation(mean, T_START, f"mean {name}") == 0:
