@@ -321,17 +321,16 @@ def test_fedkd_flat_spectrum_differs_from_htfllib():
 def test_fedkd_energy_schedule_equals_htfllib(tmp_path):
     """Their round i (0-based; their loop runs global_rounds + 1 of them) compresses at T_start +
     i / global_rounds (T_end - T_start) on the clients and the server: ours
-    ``FedKDOptions.energy(settings, i + 1)`` with ``num-server-rounds = global_rounds``. Wrong:
-    one round off."""
+    ``FedKDOptions.energy(i + 1)`` with ``energy-rounds = global_rounds``. Wrong: one round off."""
     fixture = load_fixture("htfllib-fedkd-energy")
     given, theirs = fixture.inputs, fixture.outputs
     rounds = int(given["global_rounds"])
-    settings = ExperimentSettings(method="fedkd", num_server_rounds=rounds, output_dir=str(tmp_path), options={
-        "energy-start": float(given["energy_start"]), "energy-end": float(given["energy_end"])})
+    settings = ExperimentSettings(method="fedkd", output_dir=str(tmp_path), options={
+        "energy-start": float(given["energy_start"]), "energy-end": float(given["energy_end"]), "energy-rounds": rounds})
     options = FedKDOptions.from_settings(settings)
     np.testing.assert_array_equal(theirs["client_energy"], theirs["server_energy"])
-    ours = [options.energy(settings, i + 1) for i in range(rounds + 1)]
+    ours = [options.energy(i + 1) for i in range(rounds + 1)]
     assert_matches(ours, theirs["server_energy"], "energy by round")
     assert ours[-1] == pytest.approx(float(given["energy_end"]))
-    wrong = np.array([options.energy(settings, i) for i in range(rounds + 1)])
+    wrong = np.array([options.energy(i) for i in range(rounds + 1)])
     assert np.abs(wrong - theirs["server_energy"]).max() >= WRONG * FLOAT64["rtol"]

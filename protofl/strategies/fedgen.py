@@ -16,7 +16,8 @@ from the label distribution: the sum of the latest counts of every client that h
 out with that distribution from round 2 on (round 1 trains with cross-entropy only: the server knows
 no labels yet; HtFLlib's server reads every client's counts before it starts). Its draws come from the
 server's seeded stream on its device. Defaults: FedSA's scripts (noise 32, hidden 512, 100 steps at
-0.1).
+0.1). HtFLlib's server (e959261) never keeps the generator it trains (it does not save it), so its
+clients always draw from the initial one; protofl's generator learns across rounds, as the paper's.
 
 PM: the client's own body with the global head. No GM.
 """
@@ -24,7 +25,6 @@ PM: the client's own body with the global head. No GM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch

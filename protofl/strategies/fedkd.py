@@ -10,7 +10,9 @@ loss once for each model), at the run's learning rate, each module's gradient cl
 its own. The mentee then goes up compressed: each weight matrix (a convolution: each kernel's
 kh x kw matrix, one rank for the layer) keeps its largest singular values, the fewest whose energy
 exceeds T of the total (Eq. 7-8), T rising linearly from ``energy-start`` in round 1 to
-``energy-end`` (0.95, 0.98: FedSA's scripts); biases and buffers as they are. A matrix whose
+``energy-end`` over ``energy-rounds`` rounds (0.95, 0.98, 1000: FedSA's scripts, whose runs are that
+long; a run's own length would make an extended run differ from a longer one); biases and buffers as
+they are. A matrix whose
 singular values but the smallest do not reach T keeps all of them (HtFLlib's would send zeros).
 
 Server: the mentees averaged, unweighted (HtFLlib's), compressed again with the round's T: that is
@@ -30,7 +32,6 @@ from torch import nn
 
 from protofl.federation.server import ClientUpdate
 from protofl.federation.wire import server_round
-from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgStrategy
 from protofl.strategies.fml import SHARED_LOSS, SecondModel, SecondModelClient, mean_kl
 from protofl.task.models import SeededDraws
@@ -42,6 +43,7 @@ HIDDEN_MAP = "hidden-map/"  # local_state names of W_h's entries
 class FedKDOptions(SecondModel):
     energy_start: float = 0.95
     energy_end: float = 0.98
+    energy_rounds: int = 1000
 
     @property
     def keeps_client_state(self) -> bool:
@@ -51,10 +53,13 @@ class FedKDOptions(SecondModel):
         for key in ("energy_start", "energy_end"):
             if not 0 < getattr(self, key) <= 1:
                 raise ValueError(f"fedkd.{key.replace('_', '-')} must be in (0, 1], got {getattr(self, key)}")
+        if self.energy_rounds < 1:
+            raise ValueError(f"fedkd.energy-rounds must be >= 1, got {self.energy_rounds}")
 
-    def energy(self, settings: ExperimentSettings, round_number: int) -> float:
-        """T of a round: linear from ``energy-start`` (round 1) towards ``energy-end`` (HtFLlib's schedule)."""
-        fraction = (round_number - 1) / max(settings.num_server_rounds, 1)
+    def energy(self, round_number: int) -> float:
+        """T of a round: linear from ``energy-start`` (round 1) towards ``energy-end`` over
+        ``energy-rounds`` rounds (HtFLlib's schedule over its run's rounds), then ``energy-end``."""
+        fraction = min((round_number - 1) / self.energy_rounds, 1.0)
         return self.energy_start + fraction * (self.energy_end - self.energy_start)
 
 
@@ -76,8 +81,8 @@ def low_rank(array: np.ndarray, energy: float) -> np.ndarray:
     return ((u[..., :rank] * s[..., None, :rank]) @ vt[..., :rank, :]).astype(array.dtype)
 
 
-def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: torch.Tensor,
-               shared_logits: torch.Tensor, labels: torch.Tensor, hidden_map: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: torch.Tensor, shared_logits: torch.Tensor,
+               labels: torch.Tensor, hidden_map: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(L, the mentee's part of it): Eq. 3-6 as HtFLlib sums the mentor's and the mentee's losses."""
     ce, shared_ce = F.cross_entropy(logits, labels), F.cross_entropy(shared_logits, labels)
     scale = ce + shared_ce
@@ -93,7 +98,7 @@ class FedKDStrategy(FedAvgStrategy):
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         mean = super().aggregate_updates(server_round, updates)
-        energy = self.options.energy(self.settings, server_round)
+        energy = self.options.energy(server_round)
         return [low_rank(a, energy) if trained else a for a, trained in zip(mean, self.trained_entries)]
 
 
@@ -114,7 +119,7 @@ class FedKDClient(SecondModelClient):
             self.record_loss(**{SHARED_LOSS: mentee})
             return total
 
-        self.upload_energy = self.options.energy(self.settings, server_round(config))
+        self.upload_energy = self.options.energy(server_round(config))
         return self.train_together(config, loss, self.hidden_map)
 
     def after_fit(self, statistics):

@@ -15,6 +15,11 @@ SGD at ``server-lr`` over the uploaded (prototype, class) pairs in mini-batches 
 (seeded orders, the last batch smaller), on CE over -(||p - G_j|| + delta [j = y]) (Eq. 7). Every
 class's G_c then goes out as the global prototypes. Defaults: FedSA's scripts (lambda 10, 100
 epochs, threshold 100, lr 0.01).
+
+HtFLlib's code (e959261) differs in three places: its client collects the prototypes it uploads from
+the model the round started with (it reads the saved model before saving the trained one), and over
+the full batches only; its server trains at the clients' learning rate (``server-lr`` here, equal in
+FedSA's scripts). protofl uploads the trained model's prototypes of the whole training split.
 """
 
 from __future__ import annotations

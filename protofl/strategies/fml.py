@@ -26,6 +26,7 @@ from protofl.federation.client import PrototypeClient
 from protofl.settings import KeptModel
 from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
 from protofl.task.models import SplitModel, build_model, client_architecture
+from protofl.task.precision import uses_channels_last
 
 SHARED_LOSS = "shared-model-loss"  # L_meme's batch mean (FedKD: the mentee's loss)
 
@@ -62,6 +63,12 @@ class MutualModels(nn.Module):
     def forward(self, x: torch.Tensor):
         return self.models[0](x)
 
+    @property
+    def channels_last_faster(self) -> tuple[str, ...]:
+        """The devices where every backbone among them trains faster channels-last."""
+        kinds = [set(m.channels_last_faster) for m in self.models if hasattr(m, "channels_last_faster")]
+        return tuple(set.intersection(*kinds)) if kinds else ()
+
 
 def mean_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """KL(softmax(target) || softmax(logits)) averaged over the batch and the classes (``nn.KLDivLoss()``
@@ -91,8 +98,10 @@ class SecondModelClient(PrototypeClient):
     def train_together(self, config, loss, *extra: nn.Module) -> float:
         """Both models (and ``extra`` modules) trained on ``loss``, each one's gradient clipped alone."""
         models = (self.model, self.exchanged, *extra)
-        return self.train_model(config, model=MutualModels(*models), loss=loss,
-                                clip_groups=[trainable(m) for m in models])
+        together = MutualModels(*models)
+        if not uses_channels_last(together, self.precision["channels_last"], self.device, self.precision["cuda_graphs"]):
+            together.to(memory_format=torch.contiguous_format)  # not as an earlier pass left one of them
+        return self.train_model(config, model=together, loss=loss, clip_groups=[trainable(m) for m in models])
 
 
 class FMLStrategy(FedAvgStrategy):

@@ -135,13 +135,6 @@ def split_net(given: dict[str, np.ndarray], prefix: str = "model") -> SplitNet:
     return net
 
 
-def wide_head(given: dict[str, np.ndarray], prefix: str, classes: int = NUM_CLASSES) -> nn.Linear:
-    """A Linear(512, C) holding the stored ``<prefix>.weight`` and ``<prefix>.bias``."""
-    head = nn.Linear(WIDE_DIM, classes)
-    head.load_state_dict({k: torch.from_numpy(given[f"{prefix}.{k}"].copy()) for k in ("weight", "bias")})
-    return head
-
-
 def _tensor(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(values)).to(torch.get_default_dtype())
 
