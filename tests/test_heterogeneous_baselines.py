@@ -164,3 +164,16 @@ def test_fedgen_drops_label_counts_that_are_not_the_clients(digits):
     strategy.check_update(update(5))
     with pytest.raises(PayloadError, match="sum to 5"):
         strategy.check_update(update(50))
+
+
+@pytest.mark.parametrize("method, option, value", [
+    ("feddistill", "lambda", -1.0), ("fml", "alpha", 1.5), ("fml", "beta", -0.1), ("fedkd", "energy-start", 0.0),
+    ("fedkd", "energy-end", 1.5), ("fedkd", "energy-rounds", 0), ("fedgen", "noise-dim", 0),
+    ("fedgen", "generator-lr", 0.0), ("fedgen", "server-epochs", -1), ("fedtgp", "server-lr", 0.0),
+    ("fedtgp", "margin-threshold", -1.0), ("fedtgp", "lambda", -1.0), ("fedgh", "server-epochs", -1),
+    ("fedgh", "server-lr", float("nan")),
+])
+def test_a_bad_option_is_one_error_naming_it(method, option, value):
+    options_class = get_method(method)[0].options_class
+    with pytest.raises(ValueError, match=f"{method}.{option}"):
+        options_class.from_settings(ExperimentSettings(method=method, options={option: value}))

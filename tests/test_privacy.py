@@ -331,7 +331,10 @@ def test_dp_noise_is_refused_for_a_method_that_uploads_no_class_vectors(tmp_path
         run_in_process({"method": "fedavg", "dp-noise": 1.0, "dp-clip": 1.0, "output-dir": str(tmp_path)}, num_nodes=2)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if uploads_class_statistics(m)])
+# fast: feature and logit statistics, and a method with its own named uploads besides; CI runs them all
+@pytest.mark.parametrize("method", [m if m in ("fedproto", "fedskc", "fedsa") else
+                                    pytest.param(m, marks=pytest.mark.slow)
+                                    for m in METHODS if uploads_class_statistics(m)])
 def test_the_privacy_block_lists_every_key_the_clients_sent(tmp_path, method):
     """Every key of every properties, fit and evaluate reply of a run is in results.json's privacy
     block: the class vectors under 'covers', everything else under 'in_the_clear'."""

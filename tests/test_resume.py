@@ -447,9 +447,14 @@ def test_a_resume_whose_nodes_lost_their_state_stops_before_its_first_round(tmp_
     assert results["fresh_clients"] == [{"after_round": 2, "partitions": [0, 1, 2, 3]}]
 
 
+# fast: a method that keeps nothing, a personal model, a model and more (FedSA's margin, Ditto's
+# second model), a model kept only to score; CI runs them all
+FAST_DECLARATIONS = {"fedavg", "fedproto", "fedsa", "ditto"}
+
+
 @pytest.mark.parametrize("method, options", [
-    *((m, {}) for m in sorted(METHODS)), ("fedavg", {"fedavg.personal-model": "local"}),
-    ("fedproto", {"fedproto.average-parameters": True}),
+    *((m, {}) if m in FAST_DECLARATIONS else pytest.param(m, {}, marks=pytest.mark.slow) for m in sorted(METHODS)),
+    ("fedavg", {"fedavg.personal-model": "local"}), ("fedproto", {"fedproto.average-parameters": True}),
 ])
 def test_a_method_declares_the_client_state_it_keeps(tmp_path, method, options):
     """What a resume checks (MethodOptions.keeps_client_state) is what the clients really keep."""

@@ -1,5 +1,5 @@
 """Every key on the wire is spelled in one place, and the class statistics every method uploads are
-checked by its server. Each method runs two rounds in one process (no Ray) on digits."""
+checked by its server. Each method runs two rounds in one process (no Ray) on digits: the slow suite."""
 
 import ast
 import functools
@@ -15,6 +15,8 @@ from inprocess import run_in_process
 from protofl.federation.server import RunStopped
 from protofl.federation.wire import CLASS_COUNTS, encode_array
 from protofl.strategies import METHODS
+
+pytestmark = pytest.mark.slow  # every method's two rounds: about 13 s
 
 ROOT = Path(__file__).resolve().parents[1] / "protofl"
 FIELDS = ("metrics", "config", "properties")

@@ -44,7 +44,7 @@ from protofl.strategies.fedper import HEAD
 from protofl.strategies.lgfedavg import HeadSharing
 
 GENERATOR = "generator"  # broadcast: G's state_dict entries, in order
-LABEL_DISTRIBUTION = "label-distribution"  # broadcast: the federation's class counts (C)
+LABEL_DISTRIBUTION = "federation-label-counts"  # broadcast: the federation's class counts (C)
 LABEL_COUNTS = "label-counts"  # uploaded: the client's class counts (C, int64)
 
 
