@@ -164,6 +164,9 @@ def test_fedgen_drops_label_counts_that_are_not_the_clients(digits):
     strategy.check_update(update(5))
     with pytest.raises(PayloadError, match="sum to 5"):
         strategy.check_update(update(50))
+    counts = np.array([2**62] * 3 + [2**62 + 5] + [0] * 6, np.int64)  # their int64 sum wraps round to 5
+    with pytest.raises(PayloadError, match="label-counts"):
+        strategy.check_update(update(5))
 
 
 @pytest.mark.parametrize("method, option, value", [

@@ -121,6 +121,9 @@ class FedGenStrategy(FedAvgStrategy):
 
     def check_update(self, update: ClientUpdate) -> None:
         counts = update.uploads[LABEL_COUNTS]
+        if (counts > update.num_examples).any():  # also: no int64 sum that wraps round to the claim
+            raise PayloadError(f"{LABEL_COUNTS!r} hold a count above the {update.num_examples} examples "
+                               "the client claims")
         if int(counts.sum()) != update.num_examples:
             raise PayloadError(f"{LABEL_COUNTS!r} sum to {int(counts.sum())}, not the {update.num_examples} "
                                "examples the client claims")
