@@ -99,7 +99,8 @@ class SecondModelClient(PrototypeClient):
         """Both models (and ``extra`` modules) trained on ``loss``, each one's gradient clipped alone."""
         models = (self.model, self.exchanged, *extra)
         together = MutualModels(*models)
-        if not uses_channels_last(together, self.precision["channels_last"], self.device, self.precision["cuda_graphs"]):
+        precision = self.precision
+        if not uses_channels_last(together, precision["channels_last"], self.device, precision["cuda_graphs"]):
             together.to(memory_format=torch.contiguous_format)  # not as an earlier pass left one of them
         return self.train_model(config, model=together, loss=loss, clip_groups=[trainable(m) for m in models])
 
