@@ -272,6 +272,7 @@ def level_channels(model, levels):
     return shapes
 
 
+@pytest.mark.slow  # every backbone built and run: about 3 s
 def test_feature_levels_of_each_backbone():
     cnn = meta_model("cnn")
     levels = feature_levels(cnn)

@@ -159,6 +159,7 @@ def test_a_step_kept_from_one_client_trains_the_next_as_the_plain_loop(monkeypat
     assert_same_training(got, want)
 
 
+@pytest.mark.slow  # two dropout backbones trained both ways: about 4 s
 def test_dropout_masks_are_drawn_before_the_step_and_fed_to_it_as_in_the_plain_loop(monkeypatch):
     """tv-mobilenetv2's dropout: after a first step that draws for itself (and shows the mask's
     shape), each step's mask is drawn from the client's dropout generator before the step and goes

@@ -63,6 +63,7 @@ def test_every_flag_exists_in_the_installed_binaries(variant):
         assert not unknown, f"{name}: {binary} has no {sorted(unknown)}"
 
 
+@pytest.mark.slow  # starts Flower's binaries: about 3 s
 def test_a_flag_that_does_not_exist_is_caught():
     assert "--clientappio-api-address" not in known_flags("flower-supernode")  # removed in 1.35
     assert {"--superlink", "--node-config", "--auth-supernode-private-key"} <= known_flags("flower-supernode")

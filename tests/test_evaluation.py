@@ -25,8 +25,8 @@ def kinds(messages):
     return [kind for kind, _, _ in messages if kind in ("fit", "evaluate")]
 
 
-# fast: FedProto (personal models, prototypes) and FedSC (the global model's head, no broadcast)
-@pytest.mark.parametrize("method", methods_fast_for("fedproto", "fedsc"))
+# fast: FedProto (personal models, prototypes); CI runs every method
+@pytest.mark.parametrize("method", methods_fast_for("fedproto"))
 def test_scores_in_the_fit_message_equal_those_of_a_separate_evaluate_message(tmp_path, method):
     config = RUN | {"method": method, "output-dir": str(tmp_path)}
     _, in_fit = run_in_process(config | {"run-name": "fit"}, num_nodes=3)

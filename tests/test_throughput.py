@@ -34,6 +34,7 @@ def test_stand_in_clients_split_the_whole_pool_and_share_the_global_test_set_wit
     assert clients[0][0].shape[1:] == (1, 16, 16) and clients[0][0].dtype == torch.float32
 
 
+@pytest.mark.slow  # the benchmark's main on real clients: about 1 s
 def test_main_reports_finite_rates_for_each_batch_size_over_what_the_clients_hold(tmp_path):
     threads = torch.get_num_threads()
     try:
