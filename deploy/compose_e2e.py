@@ -60,7 +60,7 @@ ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
 DEMO_RUN_CONFIG = f"round-timeout={ROUND_TIMEOUT}"
 RUNS = "/app/protofl-runs"  # the ServerApp's output-dir in superexec-serverapp (the results volume)
 # what may differ between an interrupted run and one that was not (as in tests/test_resume.py)
-TIMING = {"seconds", "fit_seconds", "checkpoint_seconds", "checkpoint_bytes"}
+TIMING = {"seconds", "fit_seconds", "server_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 
 
 def wait_until_ready(home: Path, timeout: float = 180) -> None:
