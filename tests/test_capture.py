@@ -239,6 +239,11 @@ CAPTURABLE = {  # (method, its options) -> whether its training step may be capt
     ("fedgen", ()): False,  # draws labels and noise for the generator on each batch
     ("fedtgp", ()): True,  # FedProto's loss
     ("fedgh", ()): True,
+    ("pfedme", ()): False,  # its own inner loop
+    ("perfedavg", ()): False,  # its own two half-batch steps
+    ("fedamp", ()): True,  # the cloud model, an input of the step
+    ("fedala", ()): True,  # CE; the blend weights learn before the training
+    ("fedpac", ()): True,  # FedProto's loss, a step per phase
 }
 
 

@@ -67,12 +67,13 @@ def _options(method, given) -> dict:
     return {ours: float(given[f"their.{name}"]) for name, (ours, _) in theirs.items()} | others
 
 
-def _settings(method, given, tmp_path) -> ExperimentSettings:
+def _settings(method, given, tmp_path, options=None) -> ExperimentSettings:
+    """Our run settings of the fixture's (``options``: ours, default from ``METHODS``)."""
     return ExperimentSettings(
         method=method, model="cnn", seed=int(given["init_seed"]), local_epochs=int(given["epochs"]),
         batch_size=int(given["batch_size"]), partial_batch="drop", lr=float(given["lr"]), momentum=0.0,
         weight_decay=0.0, amp="off", channels_last=False, output_dir=str(tmp_path), run_name="conformance",
-        options=_options(method, given),
+        options=_options(method, given) if options is None else options,
     )
 
 
@@ -107,14 +108,16 @@ def _norm(theirs, prefix, name) -> float:
     return float(theirs[key][1]) if key in theirs else 0.0
 
 
-def _two_rounds(method, tmp_path, check_client=None, check_server=None):
+def _two_rounds(method, tmp_path, check_client=None, check_server=None, options=None, expected_loss=None):
     """Our clients and server through the fixture's two rounds, each client's trained weights and
     training loss and each round's aggregate compared with theirs; ``check_client(r, p, client,
     metrics, sent_prefix)`` and ``check_server(r, strategy, sent_prefix)`` (``sent_prefix``: the
-    fixture's name of the model the round started from) compare the method's own."""
+    fixture's name of the model the round started from) compare the method's own. ``options``: our
+    options (default: from ``METHODS``); ``expected_loss(prefix)``: their mean training loss of a
+    client's round (default: of their recorded ``.loss``). Returns our last round's aggregate."""
     fixture = load_fixture(f"{method}-pfllib-rounds")
     given, theirs = fixture.inputs, fixture.outputs
-    settings = _settings(method, given, tmp_path)
+    settings = _settings(method, given, tmp_path, options)
     data = {p: _data(given, p) for p in range(NUM_CLIENTS)}
     strategy = _strategy(settings, data)
     our_names = names(strategy.model)
@@ -140,10 +143,13 @@ def _two_rounds(method, tmp_path, check_client=None, check_server=None):
             arrays, num_examples, metrics = client.fit(sent, {"server-round": r, "seed": seed} | broadcast | own)
             for name, array in zip(our_names, arrays):
                 _assert_fingerprint(array, theirs[f"{prefix}.trained.{name}"], f"{prefix} trained {name}")
-            expected_loss = theirs[f"{prefix}.loss"]
-            if method == "fedprox":  # their loss is CE alone, mu ||w - x||^2 / 2 is in their step
-                expected_loss = expected_loss + float(given["their.mu"]) * theirs[f"{prefix}.proximal"]
-            assert_matches(metrics[TRAIN_LOSS], expected_loss.mean(), f"{prefix} training loss")
+            if expected_loss is not None:
+                expected = expected_loss(prefix)
+            elif method == "fedprox":  # their loss is CE alone, mu ||w - x||^2 / 2 is in their step
+                expected = (theirs[f"{prefix}.loss"] + float(given["their.mu"]) * theirs[f"{prefix}.proximal"]).mean()
+            else:
+                expected = theirs[f"{prefix}.loss"].mean()
+            assert_matches(metrics[TRAIN_LOSS], expected, f"{prefix} training loss")
             if check_client is not None:
                 check_client(r, p, client, metrics, previous)
             results.append((FakeProxy(str(100 + p)), FitRes(OK, ndarrays_to_parameters(arrays), num_examples, metrics)))
@@ -152,11 +158,12 @@ def _two_rounds(method, tmp_path, check_client=None, check_server=None):
         aggregate = parameters_to_ndarrays(parameters)
         for name, array in zip(our_names, aggregate):
             trained = max(_norm(theirs, f"round{r}.client{p}.trained", name) for p in clients)
-            scale = trained + (_norm(theirs, previous, name) if method == "scaffold" else 0.0)
+            scale = trained + (_norm(theirs, previous, name) if method in ("scaffold", "pfedme") else 0.0)
             _assert_fingerprint(array, theirs[f"round{r}.aggregate.{name}"], f"round {r} aggregate {name}", scale)
         if check_server is not None:
             check_server(r, strategy, previous)
         sent, previous = aggregate, f"round{r}.aggregate"
+    return sent
 
 
 def _loss_term(theirs, prefix, factor) -> tuple[float, float]:

@@ -85,6 +85,7 @@ def honest_update(strategy, pid, round_=1):
     metrics = {"partition-id": pid, "train-loss": 1.0, **EXTRA_METRICS.get(strategy.settings.method, {})}
     for name, spec in strategy.upload_specs().items():  # the method's named uploads (SCAFFOLD's, FedGen's counts)
         honest = counts if name == LABEL_COUNTS else rng.normal(0, 0.01, spec.shape)
+        honest = np.abs(honest) if spec.nonnegative else honest  # (FedPAC's feature variance)
         metrics[name] = encode_array(honest.astype(spec.dtypes[0]))
     if strategy.options.statistics is not None:
         means = np.zeros((10, dim), np.float32)
@@ -169,6 +170,8 @@ def attack_huge_text(strategy, res):  # a reason quoting it must not flood the l
 
 def attack_malformed_blobs(strategy, res):
     metrics = {CLASS_MEANS: _pickled_array()} if CLASS_MEANS in res.metrics else {}
+    if not metrics and not res.parameters.tensors:  # its named arrays alone (FedAMP's models)
+        metrics = {_upload_name(strategy): _pickled_array()}
     parameters = Parameters(tensors=[b"junk", 42], tensor_type="numpy.ndarray")  # not even bytes
     return [(FakeProxy("103"), _with(res, parameters=parameters if res.parameters.tensors else None, **metrics))]
 

@@ -56,6 +56,8 @@ TABLES = {  # each seed paper's comparison table: its methods (baselines.md), in
     "fednh-table1": ["local", "fedavg", "fedper", "ditto", "fedrep", "fedproto", "creff", "fedbabu", "fedrod", "fednh"],
     "fedsa-table1": ["lgfedavg", "fedgen", "fml", "fedkd", "feddistill", "fedproto", "fedtgp", "fedsa"],
     "fedsa-table2": ["lgfedavg", "fedgen", "fml", "fedkd", "feddistill", "fedproto", "fedtgp", "fedsa"],
+    "fedcosr-table2": ["local", "fedavg", "fedprox", "moon", "pfedme", "ditto", "perfedavg", "fedrep", "lgfedavg",
+                       "fedper", "fedamp", "fedala", "fedproto", "fedpac", "fedgh", "fedcosr"],
 }
 
 

@@ -10,7 +10,7 @@ loss hooks it overrides.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -20,8 +20,10 @@ from flwr.common import Scalar
 from protofl.federation.wire import round_seed, server_round
 from protofl.task.capture import DeviceMeans, StepState
 from protofl.task.inference import features_and_logits
+from protofl.task.models import seed_dropout
+from protofl.task.precision import to_channels_last
 from protofl.task.statistics import FeatureSums, class_means
-from protofl.task.train import BatchLoss, stale_batchnorm, steps_per_epoch, train
+from protofl.task.train import BatchLoss, batches, stale_batchnorm, steps_per_epoch, train
 
 
 class LocalTraining:
@@ -88,6 +90,24 @@ class LocalTraining:
         # a loss of the caller's own or another model: what its step reads is not known, so no step is kept
         step_state = self.step_state(phase, offsets) if loss is None and model is self.model else None
         return train(x=self.data.train_x, y=self.data.train_y, loss=batch_loss, step_state=step_state, **kwargs)
+
+    def training_batches(self, config: Mapping[str, Scalar], *, model: torch.nn.Module | None = None,
+                         batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The (inputs, labels) of one local training in ``config``'s round (``batch_size``: default
+        the run's), in the order and with the augmentation :meth:`train_model` draws from the round's
+        seed; ``model`` (default: the client's) in training mode, its dropout seeded as there. For a
+        method whose step is its own (pFedMe's inner loop, Per-FedAvg's two half-batches)."""
+        model = self.model if model is None else model
+        arguments = self.train_kwargs(config)
+        generator = torch.Generator().manual_seed(arguments["seed"])
+        # the memory format train's step runs in, whatever an eval pass left the model in
+        channels_last = to_channels_last(model, self.data.train_x, arguments["channels_last"],
+                                         arguments["cuda_graphs"])
+        model.train()
+        seed_dropout(model, generator)
+        return batches(self.data.train_x, self.data.train_y, epochs=arguments["epochs"],
+                       batch_size=batch_size or arguments["batch_size"], generator=generator,
+                       partial_batch=arguments["partial_batch"], augment=self.augment, channels_last=channels_last)
 
     def default_loss(self) -> BatchLoss | None:
         """``classification_loss`` + ``batch_loss``, also collecting the class statistics of a

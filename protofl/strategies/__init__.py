@@ -18,7 +18,8 @@ from protofl.task.models import SplitModel, build_model, client_architecture
 METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa", "fedsc", "fedskc",
            "fedprox", "moon", "scaffold", "fedopt", "fedntd", "fedrcl",
            "local", "fedper", "fedrep", "fedbabu", "fedrod", "ditto", "creff",
-           "lgfedavg", "feddistill", "fml", "fedkd", "fedgen", "fedtgp", "fedgh")
+           "lgfedavg", "feddistill", "fml", "fedkd", "fedgen", "fedtgp", "fedgh",
+           "pfedme", "perfedavg", "fedamp", "fedala", "fedpac")
 
 
 def _module(name: str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -109,18 +109,11 @@ def train(
     dropouts = host_dropouts(model)  # this client's, seeded for it
     fed = host_dropouts(kept.model) if kept is not None else dropouts  # the step's, which know the shapes
     steps = 0
-    for _ in range(epochs):
-        order = drawn_to(torch.randperm(n, generator=generator), x.device)
-        for start in range(0, n, batch_size):
-            batch = order[start : start + batch_size]
-            if _skipped(len(batch), n, batch_size, partial_batch):
-                continue
-            inputs = x[batch] if augment is None else augment(x[batch], generator)
-            if channels_last:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
-            masks = next_masks(dropouts, fed, len(batch), x.device)  # inputs of the step: it cannot draw
-            (captured if captured is not None and len(batch) == batch_size else step)(inputs, y[batch], *masks)
-            steps += 1
+    for inputs, labels in batches(x, y, epochs=epochs, batch_size=batch_size, generator=generator,
+                                  partial_batch=partial_batch, augment=augment, channels_last=channels_last):
+        masks = next_masks(dropouts, fed, len(labels), x.device)  # inputs of the step: it cannot draw
+        (captured if captured is not None and len(labels) == batch_size else step)(inputs, labels, *masks)
+        steps += 1
     mean_loss = float(total) / max(steps, 1)
     if kept is not None:
         kept.unload(tensors, step_state)
@@ -201,6 +194,26 @@ class SGD:
             grads = [self.velocity[i] for i in stepped]
         if params:
             torch._foreach_add_(params, grads, alpha=-self.lr)
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, *, epochs: int, batch_size: int, generator: torch.Generator,
+            partial_batch: PartialBatch = "drop", augment: Augment | None = None,
+            channels_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The (inputs, labels) of each training mini-batch, in the order :func:`train` takes them: per
+    epoch a permutation drawn from ``generator``, the trailing partial batch as ``partial_batch``
+    says, ``augment``'s draws from the same generator. A method whose step is its own (pFedMe's inner
+    loop, Per-FedAvg's two half-batches) iterates these."""
+    n = len(y)
+    for _ in range(epochs):
+        order = drawn_to(torch.randperm(n, generator=generator), x.device)
+        for start in range(0, n, batch_size):
+            batch = order[start : start + batch_size]
+            if _skipped(len(batch), n, batch_size, partial_batch):
+                continue
+            inputs = x[batch] if augment is None else augment(x[batch], generator)
+            if channels_last:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            yield inputs, y[batch]
 
 
 def _skipped(batch: int, n: int, batch_size: int, partial_batch: PartialBatch) -> bool:

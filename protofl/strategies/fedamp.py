@@ -1,0 +1,131 @@
+"""FedAMP (Huang et al., AAAI 2021): attentive message passing between similar clients.
+
+The server keeps every client's latest model w_j (the initial model for a client it has not heard
+from) and sends each sampled client i its own cloud model
+u_i = xi_ii w_i + sum_(j != i) xi_ij w_j, xi_ij = alpha_k A'(||w_i - w_j||^2) with the attention
+function A(x) = 1 - exp(-x / sigma), so A'(x) = exp(-x / sigma) / sigma, and xi_ii = 1 - sum_(j != i)
+xi_ij: a client weighs most the models nearest its own. Before the server has any model, the
+client's u_i is its own model.
+
+Client: trains its own model w_i, kept on its node, with CE + (lambda / (2 alpha_k)) ||w_i - u_i||^2
+(``proximal = "squared"``, the paper's), and uploads it as the named arrays ``client-model/<i>``
+(one per trainable parameter); the model parameters channel carries nothing. ``proximal =
+"pfllib"``: PFLlib's d832e76 term, (lambda / (2 alpha_k)) ||w_i - u_i|| computed on the weights'
+``.data``: it is added to the loss reported but has no gradient, so the training is plain CE.
+
+Server: PFLlib computes the attention over the previous round's uploads only; protofl over every
+client's latest model (the paper's), the same when every client takes part each round (FedCoSR's
+setting). PM: the client's own model. No GM. Defaults: PFLlib's (alpha_k 1, lambda 1, sigma 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Sequence
+
+import numpy as np
+import torch
+
+from protofl.federation.client import PrototypeClient
+from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.wire import ArraySpec, indexed
+from protofl.settings import KeptModel, MethodOptions
+from protofl.strategies.fedprox import PROXIMAL_LOSS, proximal_term
+
+CLIENT_MODEL, CLOUD_MODEL = "client-model", "cloud-model"  # w_i (uploaded), u_i (to client i)
+
+
+@dataclass(frozen=True)
+class FedAMPOptions(MethodOptions):
+    alpha_k: float = 1.0
+    lambda_: float = 1.0  # key "lambda"
+    sigma: float = 1.0
+    proximal: Literal["squared", "pfllib"] = "squared"
+
+    statistics: ClassVar[None] = None
+    keeps_model: ClassVar[KeptModel] = "trains"
+    capturable: ClassVar[bool] = True  # a sum over the parameters
+
+    def check(self) -> None:
+        if not self.alpha_k > 0 or not self.sigma > 0:
+            raise ValueError(f"fedamp.alpha-k and fedamp.sigma must be > 0, got {self.alpha_k} and {self.sigma}")
+        if self.lambda_ < 0:
+            raise ValueError(f"fedamp.lambda must be >= 0, got {self.lambda_}")
+
+    def shares(self, name: str) -> bool:
+        return False  # the models go up as named arrays; each client's u_i comes down on its own
+
+
+def attention_weights(distances: Sequence[float], alpha_k: float, sigma: float) -> tuple[np.ndarray, float]:
+    """(xi_ij for each other client j, xi_ii) from the squared distances ||w_i - w_j||^2."""
+    others = np.array([alpha_k * math.exp(-d / sigma) / sigma for d in distances], np.float64)
+    return others, 1.0 - float(others.sum())
+
+
+def squared_distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
+    """||a - b||^2 over all the arrays, in float64."""
+    return float(sum(np.sum((x.astype(np.float64) - y) ** 2) for x, y in zip(a, b)))
+
+
+class FedAMPStrategy(PrototypeStrategy):
+    options_class = FedAMPOptions
+    state_fields = ("client_models",)
+    broadcast_to_evaluate = False  # PM: the client's own model
+    loss_metrics = (PROXIMAL_LOSS,)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial_model = [p.detach().cpu().numpy().copy() for p in self.model.parameters() if p.requires_grad]
+        self.client_models: dict[int, list[np.ndarray]] = {}  # each client's latest w_j
+
+    def upload_specs(self) -> dict[str, ArraySpec]:
+        return {name: ArraySpec.like(a) for name, a in indexed(CLIENT_MODEL, self.initial_model).items()}
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        names = list(indexed(CLIENT_MODEL, self.initial_model))
+        self.client_models = self.client_models | {u.partition_id: [u.uploads[k] for k in names] for u in updates}
+        return None
+
+    def broadcast_to(self, server_round: int, partition_id: int) -> dict[str, np.ndarray]:
+        if not self.client_models:
+            return {}
+        own = self.client_models.get(partition_id, self.initial_model)
+        others = [w for j, w in sorted(self.client_models.items()) if j != partition_id]
+        xi, xi_own = attention_weights([squared_distance(own, w) for w in others], self.options.alpha_k,
+                                       self.options.sigma)
+        cloud = [xi_own * a.astype(np.float64) for a in own]
+        for weight, w in zip(xi, others):
+            cloud = [c + weight * a for c, a in zip(cloud, w)]
+        return indexed(CLOUD_MODEL, [c.astype(a.dtype) for c, a in zip(cloud, own)])
+
+
+class FedAMPClient(PrototypeClient):
+    options_class = FedAMPOptions
+
+    def receive(self, parameters, config):
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        cloud = self.received_like(config, CLOUD_MODEL, self.trained)
+        self.cloud = [p.detach().clone() for p in self.trained] if cloud is None else cloud  # u_i
+
+    def batch_loss(self, features, logits, labels, inputs):
+        factor = self.options.lambda_ / self.options.alpha_k
+        if self.options.proximal == "pfllib":  # a value without a gradient
+            distance = torch.sqrt(sum(((p.detach() - u) ** 2).sum() for p, u in zip(self.trained, self.cloud)))
+            self.record_loss(**{PROXIMAL_LOSS: distance})
+            return factor * distance / 2
+        proximal = proximal_term(self.trained, self.cloud)  # ||w_i - u_i||^2 / 2
+        self.record_loss(**{PROXIMAL_LOSS: proximal})
+        return factor * proximal
+
+    def step_constants(self):
+        return ()
+
+    def step_inputs(self):
+        return {f"cloud/{i}": u for i, u in enumerate(self.cloud)}
+
+    def uploads(self):
+        return indexed(CLIENT_MODEL, [p.detach().cpu().numpy() for p in self.trained])
+
+
+STRATEGY, CLIENT = FedAMPStrategy, FedAMPClient

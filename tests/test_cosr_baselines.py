@@ -1,0 +1,89 @@
+"""The math of FedCoSR's table's baselines (pFedMe, Per-FedAvg, FedAMP, FedALA, FedPAC) on hand-checked
+numbers, and their options' checks; their two rounds against PFLlib's code are in
+tests/test_conformance_pfllib_{personal,adaptive}.py."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from protofl.settings import ExperimentSettings
+from protofl.strategies import get_method
+from protofl.strategies.fedala import slice_start
+from protofl.strategies.fedamp import attention_weights, squared_distance
+from protofl.strategies.fedpac import SMALL_WEIGHT, combination_matrix, combination_weights, feature_statistics
+from protofl.task.quadratic import simplex_minimum
+
+
+def test_the_simplex_minimum_of_a_diagonal_form_weighs_each_coordinate_by_its_inverse():
+    # a^T diag(1, 3) a on a1 + a2 = 1: 2 a1 = 6 a2, so a = (3/4, 1/4)
+    np.testing.assert_allclose(simplex_minimum(np.diag([1.0, 3.0])), [0.75, 0.25], rtol=0, atol=1e-15)
+
+
+def test_the_simplex_minimum_leaves_out_a_coordinate_whose_gradient_stays_above():
+    # P = [[1, 2], [2, 8]]: on the free edge the optimum would need a2 = -1/5 < 0, so a = (1, 0)
+    np.testing.assert_array_equal(simplex_minimum(np.array([[1.0, 2.0], [2.0, 8.0]])), [1.0, 0.0])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_simplex_minimum_meets_the_kkt_conditions_of_a_random_semidefinite_form(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 12))
+    a = rng.normal(size=(n, max(1, n // 2 if seed % 2 else n)))  # odd seeds: singular
+    p = a @ a.T
+    x = simplex_minimum(p)
+    assert abs(x.sum() - 1) < 1e-12 and (x >= 0).all()
+    gradient = 2 * p @ x
+    nu = gradient[x > 0].mean()
+    scale = np.abs(p).max()
+    assert np.abs(gradient[x > 0] - nu).max() <= 1e-9 * scale  # free coordinates share the multiplier
+    assert (gradient - nu).min() >= -1e-9 * scale  # a bound coordinate's multiplier is >= 0
+
+
+def test_feature_statistics_are_the_class_share_weighted_means_and_the_variance_over_n():
+    # class 0: features (1, 0), (3, 0); class 1: (0, 2); class 2 absent. n = 3, p = (2/3, 1/3, 0)
+    features = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0]])
+    labels = torch.tensor([0, 0, 1])
+    variance, centroids = feature_statistics(features, labels, 3)
+    np.testing.assert_allclose(centroids, [[4 / 3, 0.0], [0.0, 2 / 3], [0.0, 0.0]], rtol=1e-15)
+    # class 0: p tr(F^T F) / n_0 = 2/3 * 10 / 2, p^2 ||mu||^2 = 4/9 * 4; class 1: 1/3 * 4 - 1/9 * 4
+    expected = (2 / 3 * 5 - 4 / 9 * 4 + 1 / 3 * 4 - 1 / 9 * 4) / 3
+    assert variance == pytest.approx(expected, rel=1e-14)
+
+
+def test_the_combination_matrix_is_the_variances_plus_the_centroid_differences_gram():
+    variances = np.array([0.5, 1.0, 2.0])
+    centroids = np.array([[[1.0, 0.0]], [[0.0, 0.0]], [[1.0, 2.0]]])  # K x C x d with C = 1, d = 2
+    # client 0: h_0 - h_j = (0, 0), (1, 0), (0, -2)
+    np.testing.assert_array_equal(combination_matrix(0, variances, centroids),
+                                  [[0.5, 0, 0], [0, 1 + 1, 0], [0, 0, 2 + 4]])
+
+
+def test_combination_weights_at_or_below_the_threshold_are_zeroed_without_renormalising():
+    weights = combination_weights(np.diag([1.0, 1.0 / SMALL_WEIGHT * 2]))  # a_2 = 1/(1 + 2000) < 1e-3
+    assert weights[1] == 0.0 and weights[0] == pytest.approx(2000 / 2001, rel=1e-14)
+
+
+def test_attention_weights_decay_with_the_squared_distance_and_the_rest_stays_with_the_client():
+    xi, own = attention_weights([0.0, 2.0], alpha_k=0.5, sigma=2.0)
+    np.testing.assert_allclose(xi, [0.25, 0.25 * math.exp(-1)], rtol=1e-15)
+    assert own == pytest.approx(1 - 0.25 - 0.25 * math.exp(-1), rel=1e-15)
+    assert squared_distance([np.array([1.0, 2.0]), np.array([3.0])], [np.array([0.0, 0.0]), np.array([1.0])]) == 9.0
+
+
+def test_the_slice_start_leaves_room_for_the_whole_slice_and_follows_the_seed():
+    starts = {slice_start(10, 8, seed) for seed in range(50)}
+    assert starts == {0, 1, 2}
+    assert slice_start(10, 10, 3) == 0 and slice_start(10, 8, 7) == slice_start(10, 8, 7)
+
+
+@pytest.mark.parametrize("method, option, value", [
+    ("pfedme", "lambda", -1.0), ("pfedme", "k", 0), ("pfedme", "personal-lr", 0.0), ("pfedme", "beta", float("nan")),
+    ("perfedavg", "alpha", 0.0), ("perfedavg", "beta", -1.0), ("fedamp", "sigma", 0.0), ("fedamp", "lambda", -1.0),
+    ("fedala", "sample-percent", 0.0), ("fedala", "window", 0), ("fedpac", "lambda", -1.0),
+])
+def test_a_bad_option_is_one_error_naming_it(method, option, value):
+    options_class = get_method(method)[0].options_class
+    with pytest.raises(ValueError, match=f"{method}.{option}"):
+        options_class.from_settings(ExperimentSettings(method=method, options={option: value}))
