@@ -78,6 +78,7 @@ class FedAMPStrategy(PrototypeStrategy):
         super().__init__(*args, **kwargs)
         self.initial_model = [p.detach().cpu().numpy().copy() for p in self.model.parameters() if p.requires_grad]
         self.client_models: dict[int, list[np.ndarray]] = {}  # each client's latest w_j
+        self._clouds: tuple[dict, dict[int, dict[str, np.ndarray]]] = ({}, {})  # (of these models, u_i by client)
 
     def upload_specs(self) -> dict[str, ArraySpec]:
         return {name: ArraySpec.like(a) for name, a in indexed(CLIENT_MODEL, self.initial_model).items()}
@@ -90,6 +91,15 @@ class FedAMPStrategy(PrototypeStrategy):
     def broadcast_to(self, server_round: int, partition_id: int) -> dict[str, np.ndarray]:
         if not self.client_models:
             return {}
+        models, clouds = self._clouds
+        if models is not self.client_models:  # computed once per set of models (the check, then the send)
+            self._clouds = models, clouds = self.client_models, {}
+        if partition_id not in clouds:
+            clouds[partition_id] = self.cloud_model(partition_id)
+        return clouds[partition_id]
+
+    def cloud_model(self, partition_id: int) -> dict[str, np.ndarray]:
+        """u_i of the client of ``partition_id`` from the models the server holds."""
         own = self.client_models.get(partition_id, self.initial_model)
         others = [w for j, w in sorted(self.client_models.items()) if j != partition_id]
         xi, xi_own = attention_weights([squared_distance(own, w) for w in others], self.options.alpha_k,
