@@ -29,6 +29,7 @@ from protofl.strategies.fedpac import CENTROIDS, VARIANCE, combination_matrix, c
 pytestmark = pytest.mark.conformance
 
 
+@pytest.mark.slow  # 4-6 s: in the slow suite and the conformance runs (`pytest -m conformance`)
 def test_fedala_two_rounds_equal_pfllib(tmp_path):
     """Round 1 skips the blend (local = global); in round 2 each client learns W on its slice (the
     start phase: epochs until the loss settles) and trains from theta_hat; FedAvg."""
@@ -49,6 +50,7 @@ def test_fedala_two_rounds_equal_pfllib(tmp_path):
                 expected_loss=lambda prefix: theirs[f"{prefix}.ce"].mean())
 
 
+@pytest.mark.slow  # 4-6 s: in the slow suite and the conformance runs (`pytest -m conformance`)
 def test_fedpac_two_rounds_equal_pfllib(tmp_path):
     """V_i and h_i of the received body; a head epoch, then the body with lambda MSE to the global
     prototypes; the server's body average, unweighted prototype means, and each client's head

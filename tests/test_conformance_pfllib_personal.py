@@ -43,6 +43,7 @@ OPTIONS = {
 }
 
 
+@pytest.mark.slow  # 4-6 s: in the slow suite and the conformance runs (`pytest -m conformance`)
 def test_pfedme_two_rounds_equal_pfllib(tmp_path):
     """K inner steps of theta per batch towards the Moreau envelope's minimiser, w <- w - eta lambda
     (w - theta) after each batch, w uploaded, theta kept; the server's beta-mixed weighted average."""
