@@ -85,8 +85,8 @@ class FedALAClient(PrototypeClient):
         """theta_hat from the global model ``parameters`` and the client's own (Eq. 4-6), W_i learned
         (``keep``: and kept on the node)."""
         local = [p.detach().clone() for p in self.model.parameters()]
+        own_buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         self.load_shared(parameters)
-        own_buffers = {name: b for name, b in self.model.named_buffers()}
         received = [p.detach().clone() for p in self.model.parameters()]
         if all(torch.equal(a, b) for a, b in zip(local, received)):
             return  # the client's first round: nothing to blend
@@ -108,7 +108,7 @@ class FedALAClient(PrototypeClient):
         blend()
         started = STARTED in self.local_state
         n = self.data.num_train
-        size = int(self.options.sample_percent / 100 * n)
+        size = max(1, int(self.options.sample_percent / 100 * n))  # (PFLlib's int(), at least one sample)
         start = slice_start(n, size, seed)
         x, y = self.data.train_x[start:start + size], self.data.train_y[start:start + size]
         if to_channels_last(self.model, x, self.precision["channels_last"], self.precision["cuda_graphs"]):
