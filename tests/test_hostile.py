@@ -475,3 +475,19 @@ def test_dp_prototypes_report_the_privacy_spent_each_round(tmp_path):
     norms = np.linalg.norm(np.stack([_means(reply) for reply in uploads]), axis=2)
     assert norms.max() > 1.0  # noise on top of the clipped vectors: not the raw means, not clipped only
     assert strategy.global_prototypes is not None and rounds[-1]["personalized_accuracy"] is not None
+
+
+def test_fedpacs_feature_variance_is_not_screened_by_magnitude_its_head_upload_is(tmp_path):
+    """Honest V_i span orders of magnitude (a client of one class, one of ten: 0.01 to 0.7 measured on
+    Fashion-MNIST), and a large V_i only lowers that client's weight in the others' heads: the screen
+    leaves it out. The same client's head, 1000 x the others', is still dropped."""
+    strategy = make_strategy("fedpac", tmp_path, "variance")
+    replies = [honest_update(strategy, p) for p in range(N)]
+    proxy, res = replies[HOSTILE]
+    replies[HOSTILE] = (proxy, _with(res, **{"feature-variance": encode_array(np.array([500.0], np.float32))}))
+    _, metrics = strategy.aggregate_fit(1, replies, [])
+    assert metrics["accepted"] == N
+    head = np.load(io.BytesIO(res.metrics["head/0"])) * 1000
+    replies[HOSTILE] = (proxy, _with(res, **{"head/0": encode_array(head)}))
+    _, metrics = strategy.aggregate_fit(2, replies, [])
+    assert metrics["accepted"] == N - 1

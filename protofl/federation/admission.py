@@ -160,9 +160,9 @@ class Admission:
         self, server_round: int, updates: list[ClientUpdate]
     ) -> tuple[list[ClientUpdate], list[dict[str, Any]], dict[str, float]]:
         """The default magnitude screen (``screen-factor``): an update whose parameter change, one
-        of whose class vectors, or one of whose named uploads has a norm above the factor times the
-        round's lower median (for class vectors: per class, among the clients of the same
-        architecture) is dropped.
+        of whose class vectors, or one of whose named uploads (those whose spec is ``screened``) has
+        a norm above the factor times the round's lower median (for class vectors: per class, among
+        the clients of the same architecture) is dropped.
         Returns (kept, what was dropped, the largest ratios to the median seen: how close honest
         clients come to the bound)."""
         factor = self.settings.screen_factor
@@ -184,8 +184,10 @@ class Admission:
                 norms = [change_norm(u.parameters, self.sent_parameters) for u in updates]
                 compare("parameter change", "screen_parameter_ratio", everyone, norms)
             groups: dict[str, list[str]] = {}  # an indexed upload (name/0, name/1, ...) is one vector
+            specs = self.upload_specs()
             for name in updates[0].uploads:
-                groups.setdefault(name.split("/")[0], []).append(name)
+                if specs[name].screened:
+                    groups.setdefault(name.split("/")[0], []).append(name)
             for group, names in groups.items():
                 norms = [math.sqrt(sum(float(np.sum(u.uploads[n].astype(np.float64) ** 2)) for n in names))
                          for u in updates]

@@ -115,6 +115,7 @@ class ArraySpec:
     shape: tuple[int | None, ...]
     dtypes: tuple[str, ...] = ("float32",)
     nonnegative: bool = False
+    screened: bool = True  # a named upload: compared with the round's median by the magnitude screen
 
     @classmethod
     def like(cls, array: np.ndarray) -> "ArraySpec":

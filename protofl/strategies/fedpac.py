@@ -99,7 +99,9 @@ class FedPACStrategy(BodyAveraging):
     def upload_specs(self) -> dict[str, ArraySpec]:
         dtype = self.head_initial[0].dtype
         return ({name: ArraySpec.like(a) for name, a in indexed(HEAD_UPLOAD, self.head_initial).items()}
-                | {VARIANCE: ArraySpec((1,), (str(dtype),), nonnegative=True),
+                # honest V_i span orders of magnitude (one class or ten), and a large one only lowers
+                # the client's own weight in the others' heads: not screened by magnitude
+                | {VARIANCE: ArraySpec((1,), (str(dtype),), nonnegative=True, screened=False),
                    CENTROIDS: ArraySpec((self.num_classes, self.model.feature_dim), (str(dtype),))})
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
