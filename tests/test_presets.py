@@ -92,6 +92,11 @@ def data_dirs(tmp_path_factory):
     for prefix, n in (("train", 3000), ("t10k", 300)):
         write_idx(root / "fmnist" / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)), compress=False)
         write_idx(root / "fmnist" / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
+    (root / "emnist").mkdir()  # EMNIST Balanced: 47 classes
+    for split, n in (("train", 4700), ("test", 470)):
+        write_idx(root / "emnist" / f"emnist-balanced-{split}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)),
+                  compress=False)
+        write_idx(root / "emnist" / f"emnist-balanced-{split}-labels-idx1-ubyte", np.arange(n) % 47, compress=False)
     return root
 
 
