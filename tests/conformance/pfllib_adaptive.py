@@ -156,29 +156,26 @@ import random
 import sys
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from conformance.common import Snapshot, pixels, pixels_to_input, save_fixture, seeded
+from conformance.common import Snapshot, pixels, save_fixture, seeded
 from conformance.pfllib_baselines import (
     BATCH_SIZE,
     EPOCHS,
     IMAGE_SIZE,
     INIT_SEED,
-    JOIN_RATIO,
     LR,
     NUM_CLASSES,
     ROUNDS,
     SIZES,
     _fingerprints,
-    _import,
     _Recorded,
     batch_order,
     client_inputs,
-    names,
     order_seed,
+    their_server,
 )
 
 SNAPSHOTS = {"pfllib": Snapshot("TsingZ0/PFLlib", "d832e76f6a23b833038949ec1e4fdefe63a4d350")}
@@ -216,45 +213,6 @@ def pac_inputs() -> dict[str, np.ndarray]:
             inputs[f"round{r}.client{p}.order"] = batch_order(PAC_SIZES[p], order_seed(r, p))
     return inputs | {"init_seed": np.int64(INIT_SEED), "lr": np.float64(LR), "epochs": np.int64(EPOCHS),
                      "batch_size": np.int64(BATCH_SIZE), "num_clients": np.int64(len(PAC_SIZES))}
-
-
-def _args(model, algorithm: str, num_clients: int, **theirs) -> SimpleNamespace:
-    """Their ``main.py``'s arguments that servers and clients read (as the baselines' run sets them)."""
-    return SimpleNamespace(
-        model=model, algorithm=algorithm, dataset="seeded", device="cpu", save_folder_name="items",
-        num_classes=NUM_CLASSES, batch_size=BATCH_SIZE, local_learning_rate=LR, local_epochs=EPOCHS, few_shot=0,
-        learning_rate_decay=False, learning_rate_decay_gamma=0.99, global_rounds=len(ROUNDS), join_ratio=JOIN_RATIO,
-        random_join_ratio=False, num_clients=num_clients, time_select=False, goal="conformance",
-        time_threthold=10000, top_cnt=100, auto_break=False, eval_gap=1, client_drop_rate=0.0, train_slow_rate=0.0,
-        send_slow_rate=0.0, dlg_eval=False, dlg_gap=100, batch_num_per_client=2, num_new_clients=0,
-        fine_tuning_epoch_new=0, **theirs,
-    )
-
-
-def _server(checkout: Path, module: str, class_name: str, inputs: dict[str, np.ndarray], theirs: dict):
-    """Their server (and clients), built by its constructor on the clients' seeded images; returns
-    (server, images, labels, our names)."""
-    from protofl.task.models import build_model
-
-    clientbase, serverbase, BaseHeadSplit = _import(checkout)
-    num_clients = int(inputs["num_clients"])
-    x = {p: pixels_to_input(inputs[f"client{p}.pixels"]) for p in range(num_clients)}
-    y = {p: torch.from_numpy(inputs[f"client{p}.labels"]) for p in range(num_clients)}
-
-    def read_client_data(dataset, idx, is_train=True, few_shot=0):  # theirs reads ../dataset/<name>
-        return list(zip(x[idx], y[idx]))
-
-    server_module = importlib.import_module(f"flcore.servers.{module}")
-    serverbase.read_client_data = clientbase.read_client_data = read_client_data
-    clientala = sys.modules.get("flcore.clients.clientala")
-    if clientala is not None:  # clientALA's constructor reads the data for ALA through its own import
-        clientala.read_client_data = read_client_data
-    ours = build_model("cnn", 1, NUM_CLASSES, IMAGE_SIZE, INIT_SEED)
-    args = _args(BaseHeadSplit(ours.body, ours.head), class_name, num_clients, **theirs)
-    with contextlib.redirect_stdout(io.StringIO()):
-        server = getattr(server_module, class_name)(args, 0)
-    assert server.num_join_clients == len(ROUNDS[1])
-    return server, x, y, names(ours)
 
 
 def _loader(x: torch.Tensor, y: torch.Tensor, order: np.ndarray):
@@ -334,7 +292,7 @@ class _AlaRun:
 
 
 def _run_fedala(checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    server, x, y, our_names = _server(checkout, "serverala", "FedALA", inputs, ALA_OPTIONS)
+    server, x, y, our_names = their_server(checkout, "serverala", "FedALA", inputs, ALA_OPTIONS)
     ala_module = sys.modules["utils.ALA"]
     draw, their_random = _SliceDraw(), ala_module.random
     ala_module.random = draw
@@ -440,7 +398,7 @@ def over_our_wire(protos: dict) -> dict:
 
 def _run_fedpac(checkout: Path, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
     """The outputs, and the cvxpy version and the solvers its ``prob.solve()`` chose."""
-    server, x, y, our_names = _server(checkout, "serverpac", "FedPAC", inputs, PAC_OPTIONS)
+    server, x, y, our_names = their_server(checkout, "serverpac", "FedPAC", inputs, PAC_OPTIONS)
     body_names, head_names = our_names[:-2], our_names[-2:]
     pac = sys.modules["flcore.servers.serverpac"]
     their_cvx, their_solve = pac.cvx, pac.solve_quadratic

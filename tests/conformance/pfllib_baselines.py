@@ -148,35 +148,48 @@ def _import(checkout: Path):
     return clientbase, serverbase, BaseHeadSplit
 
 
-def _run(method: str, checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def their_server(checkout: Path, module: str, class_name: str, inputs: dict[str, np.ndarray], theirs: dict):
+    """Their server (and clients), built by its constructor on the clients' seeded images
+    (``inputs``: ``client<p>.pixels``/``.labels``, ``num_clients``, ``batch_size``) and our model, with
+    ``theirs`` their method's arguments; returns (server, images, labels, our names). The fixture
+    writers of FedProx, MOON, SCAFFOLD, FedNTD, pFedMe, Per-FedAvg, FedAMP, FedALA and FedPAC call it."""
     from protofl.task.models import build_model
 
     clientbase, serverbase, BaseHeadSplit = _import(checkout)
-    module_name, class_name, their_options, _ = METHODS[method]
-    x = {p: pixels_to_input(inputs[f"client{p}.pixels"]) for p in range(NUM_CLIENTS)}
-    y = {p: torch.from_numpy(inputs[f"client{p}.labels"]) for p in range(NUM_CLIENTS)}
+    num_clients = int(inputs["num_clients"])
+    x = {p: pixels_to_input(inputs[f"client{p}.pixels"]) for p in range(num_clients)}
+    y = {p: torch.from_numpy(inputs[f"client{p}.labels"]) for p in range(num_clients)}
 
     def read_client_data(dataset, idx, is_train=True, few_shot=0):  # theirs reads ../dataset/<name>
         return list(zip(x[idx], y[idx]))
 
+    server_module = importlib.import_module(f"flcore.servers.{module}")
     serverbase.read_client_data = clientbase.read_client_data = read_client_data
+    for name, client_module in list(sys.modules.items()):  # a client that reads its data itself (clientALA)
+        if name.startswith("flcore.clients.") and hasattr(client_module, "read_client_data"):
+            client_module.read_client_data = read_client_data
     ours = build_model("cnn", 1, NUM_CLASSES, IMAGE_SIZE, INIT_SEED)
-    our_names = names(ours)
     args = SimpleNamespace(
         model=BaseHeadSplit(ours.body, ours.head), algorithm=class_name, dataset="seeded", device="cpu",
-        save_folder_name="items", num_classes=NUM_CLASSES, batch_size=BATCH_SIZE, local_learning_rate=LR,
-        local_epochs=EPOCHS, few_shot=0, learning_rate_decay=False, learning_rate_decay_gamma=0.99,
-        global_rounds=len(ROUNDS), join_ratio=JOIN_RATIO, random_join_ratio=False, num_clients=NUM_CLIENTS,
-        time_select=False, goal="conformance", time_threthold=10000, top_cnt=100, auto_break=False, eval_gap=1,
-        client_drop_rate=0.0, train_slow_rate=0.0, send_slow_rate=0.0, dlg_eval=False, dlg_gap=100,
-        batch_num_per_client=2, num_new_clients=0, fine_tuning_epoch_new=0, mu=0.0, tau=1.0, beta=0.0,
-        server_learning_rate=1.0,
+        save_folder_name="items", num_classes=NUM_CLASSES, batch_size=int(inputs["batch_size"]),
+        local_learning_rate=LR, local_epochs=EPOCHS, few_shot=0, learning_rate_decay=False,
+        learning_rate_decay_gamma=0.99, global_rounds=len(ROUNDS), join_ratio=JOIN_RATIO, random_join_ratio=False,
+        num_clients=num_clients, time_select=False, goal="conformance", time_threthold=10000, top_cnt=100,
+        auto_break=False, eval_gap=1, client_drop_rate=0.0, train_slow_rate=0.0, send_slow_rate=0.0, dlg_eval=False,
+        dlg_gap=100, batch_num_per_client=2, num_new_clients=0, fine_tuning_epoch_new=0, **theirs,
     )
-    args.__dict__.update({name: value for name, (_, value) in their_options.items()})
-    server_class = getattr(importlib.import_module(f"flcore.servers.{module_name}"), class_name)
     with contextlib.redirect_stdout(io.StringIO()):
-        server = server_class(args, 0)
+        server = getattr(server_module, class_name)(args, 0)
     assert server.num_join_clients == len(ROUNDS[1])
+    assert not any(c.train_slow or c.send_slow for c in server.clients)
+    return server, x, y, names(ours)
+
+
+def _run(method: str, checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    module_name, class_name, their_options, _ = METHODS[method]
+    theirs = {"mu": 0.0, "tau": 1.0, "beta": 0.0, "server_learning_rate": 1.0}  # what the others read unset
+    theirs |= {name: value for name, (_, value) in their_options.items()}
+    server, x, y, our_names = their_server(checkout, module_name, class_name, inputs, theirs)
     outputs = _fingerprints(server.global_model.parameters(), our_names, "initial")
     for r, clients in ROUNDS.items():
         server.selected_clients = [server.clients[p] for p in clients]  # select_clients, without its draw

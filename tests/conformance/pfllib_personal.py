@@ -100,22 +100,17 @@ per step (pFedMe's, one per inner step, K a batch, in order), float64:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import importlib
-import io
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from conformance.common import Snapshot, pixels_to_input, save_fixture
+from conformance.common import Snapshot, save_fixture
 from conformance.pfllib_baselines import (
-    EPOCHS, IMAGE_SIZE, INIT_SEED, JOIN_RATIO, LR, NUM_CLASSES, NUM_CLIENTS, ROUNDS, SIZES, _fingerprints, _import,
-    _Recorded, batch_order, client_inputs, names, order_seed,
+    LR, ROUNDS, SIZES, _fingerprints, _Recorded, batch_order, client_inputs, order_seed, their_server,
 )
 
 SNAPSHOTS = {"pfllib": Snapshot("TsingZ0/PFLlib", "d832e76f6a23b833038949ec1e4fdefe63a4d350")}
@@ -124,37 +119,6 @@ PFEDME = {"lamda": 15.0, "K": 3, "p_learning_rate": 0.03, "beta": 0.5}  # their 
 PERAVG_BATCH, PERAVG_BETA = 2, 0.03  # B (their loader takes 2B a step), the outer step size set on their clients
 EVAL_ROUND = len(ROUNDS) + 1  # Per-FedAvg's evaluation: their next round's evaluate_one_step
 FEDAMP = {"alphaK": 0.005, "lamda": 1.0, "sigma": 0.01}  # their args (see the docstring for the choice)
-
-
-def _server(checkout: Path, module_name: str, class_name: str, inputs: dict[str, np.ndarray], their_args: dict):
-    """Their server (and clients) built by its constructor over our seeded images and model; with
-    the images and labels of each client, and our parameter names."""
-    from protofl.task.models import build_model
-
-    clientbase, serverbase, BaseHeadSplit = _import(checkout)
-    x = {p: pixels_to_input(inputs[f"client{p}.pixels"]) for p in range(NUM_CLIENTS)}
-    y = {p: torch.from_numpy(inputs[f"client{p}.labels"]) for p in range(NUM_CLIENTS)}
-
-    def read_client_data(dataset, idx, is_train=True, few_shot=0):  # theirs reads ../dataset/<name>
-        return list(zip(x[idx], y[idx]))
-
-    serverbase.read_client_data = clientbase.read_client_data = read_client_data
-    ours = build_model("cnn", 1, NUM_CLASSES, IMAGE_SIZE, INIT_SEED)
-    args = SimpleNamespace(
-        model=BaseHeadSplit(ours.body, ours.head), algorithm=class_name, dataset="seeded", device="cpu",
-        save_folder_name="items", num_classes=NUM_CLASSES, batch_size=int(inputs["batch_size"]),
-        local_learning_rate=LR, local_epochs=EPOCHS, few_shot=0, learning_rate_decay=False,
-        learning_rate_decay_gamma=0.99, global_rounds=len(ROUNDS), join_ratio=JOIN_RATIO, random_join_ratio=False,
-        num_clients=NUM_CLIENTS, time_select=False, goal="conformance", time_threthold=10000, top_cnt=100,
-        auto_break=False, eval_gap=1, client_drop_rate=0.0, train_slow_rate=0.0, send_slow_rate=0.0, dlg_eval=False,
-        dlg_gap=100, batch_num_per_client=2, num_new_clients=0, fine_tuning_epoch_new=0, **their_args,
-    )
-    server_class = getattr(importlib.import_module(f"flcore.servers.{module_name}"), class_name)
-    with contextlib.redirect_stdout(io.StringIO()):
-        server = server_class(args, 0)
-    assert server.num_join_clients == len(ROUNDS[1])
-    assert not any(c.train_slow or c.send_slow for c in server.clients)
-    return server, x, y, names(ours)
 
 
 def _select(server, clients) -> None:
@@ -181,7 +145,7 @@ def _receive(server) -> None:
 
 
 def _pfedme(checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    server, x, y, our_names = _server(checkout, "serverpFedMe", "pFedMe", inputs, PFEDME)
+    server, x, y, our_names = their_server(checkout, "serverpFedMe", "pFedMe", inputs, PFEDME)
     assert all(c.optimizer.param_groups[0]["mu"] == inputs["their.mu"] for c in server.clients)
     outputs = _fingerprints(server.global_model.parameters(), our_names, "initial")
     for r, clients in ROUNDS.items():
@@ -222,7 +186,7 @@ def _pfedme(checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarr
 
 
 def _perfedavg(checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    server, x, y, our_names = _server(checkout, "serverperavg", "PerAvg", inputs, {})
+    server, x, y, our_names = their_server(checkout, "serverperavg", "PerAvg", inputs, {})
     for client in server.clients:
         assert client.beta == client.learning_rate == inputs["their.alpha"]  # their default: beta = alpha
         assert client.optimizer.param_groups[0]["lr"] == inputs["their.alpha"]
@@ -264,7 +228,7 @@ def _perfedavg(checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
 
 def _fedamp(checkout: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     their_args = {name: float(inputs[f"their.{name}"]) for name in FEDAMP}
-    server, x, y, our_names = _server(checkout, "serveramp", "FedAMP", inputs, their_args)
+    server, x, y, our_names = their_server(checkout, "serveramp", "FedAMP", inputs, their_args)
     outputs = _fingerprints(server.global_model.parameters(), our_names, "initial")
     initial = copy.deepcopy(server.global_model)  # their server's global model: never aggregated, stays so
     calls: list[tuple[float, float]] = []  # their e(x): (x, e(x)), since the last client's set_parameters
