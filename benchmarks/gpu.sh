@@ -8,11 +8,15 @@
 #               once; 1,875 training samples per client (CIFAR-10 over 20 clients, less the test
 #               split), 8 clients (2 at batch 10 with fp32 eager steps)
 #   fedproto:   FedProto with tv-resnet18 beside PFLlib's, same data (benchmarks/pfllib_fedproto.sh)
+#   inflight:   K = 1, 2, 4, 8 clients at once in one process (throughput.py --in-flight) on tv-resnet18, the
+#               CIFAR ResNet-18 and the CNN at batch 64 and 10; then FedProto beside PFLlib through the
+#               training worker: STEPS of benchmarks/pfllib_fedproto.sh (INFLIGHT_STEPS, default
+#               "data pfl64 pro64 pro64k4 pro64k8"; the batch-10 half: "pro10 pro10k4 pro10k8 pfl10")
 #   profile:    where a FedProto client message's time goes (benchmarks/message_profile.py): tv-resnet18 on
 #               the PFLlib comparison's data, 20 clients one after the other in one process, batch 64 and 10
 #               (without that data in $DATA it makes it: .pfllib/ must be carried, as for fedproto)
 #   sweep:      every backbone at batch 64, fp32 eager against bf16 captured, NCHW and channels-last
-# Usage: OUT=<folder> bash benchmarks/gpu.sh [tests|throughput|fedproto|profile|sweep|all]  (tables and logs under $OUT)
+# Usage: OUT=<folder> bash benchmarks/gpu.sh [tests|throughput|inflight|fedproto|profile|sweep|all]  (tables and logs under $OUT)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -47,6 +51,15 @@ if [ "$what" = throughput ] || [ "$what" = all ]; then
   measure 10 8 0.4 1 tv-resnet18 "--in-flight 1,2,4"
   variants=(--variant "fp32-eager=amp='off' channels-last=false cuda-graphs='off'" --variant "defaults=")
   measure 64 8 0.4 2 "${MODELS-resnet18 cnn}"
+fi
+if [ "$what" = inflight ]; then  # not in "all": it is the clients-in-flight default's own measurement
+  variants=(--variant "defaults=")
+  for model in ${INFLIGHT_MODELS:-tv-resnet18 resnet18 cnn}; do
+    measure 64 8 0.4 1 "$model" "--in-flight 1,2,4,8"
+    measure 10 8 0.4 1 "$model" "--in-flight 1,2,4,8"
+  done
+  [ -n "${INFLIGHT_STEPS-x}" ] && SETUP=skip STEPS="${INFLIGHT_STEPS:-data pfl64 pro64 pro64k4 pro64k8}" PRO64_ROUNDS=2 \
+    bash benchmarks/pfllib_fedproto.sh
 fi
 if [ "$what" = fedproto ] || [ "$what" = all ]; then
   SETUP=skip bash benchmarks/pfllib_fedproto.sh

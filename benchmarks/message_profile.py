@@ -7,8 +7,8 @@ of every message timed.
 
 Phases (inclusive; a phase inside another counts in both): the whole message, the client's data
 (from the process cache) and model (kept, set back to its initial values), reading and saving the client's state
-(the personal model), loading what the server sent, training, the class statistics, the shared
-arrays going up. On CUDA each phase starts and ends with ``torch.cuda.synchronize()``, so that
+(the personal model), loading what the server sent, training, the BatchNorm statistics recomputed
+(``batchnorm-stats``), the class statistics, the shared arrays going up. On CUDA each phase starts and ends with ``torch.cuda.synchronize()``, so that
 the GPU work it queued counts in it. Round 1 (data loading, CUDA set-up, the first capture) is left
 out of the means. Writes ``message_profile.json`` under ``--out``. ``--cprofile N`` and
 ``--torch-profile N`` also print where the host's time goes (cProfile) and which operators take
@@ -39,6 +39,7 @@ from inprocess import InProcessProxy, run_in_process  # noqa: E402
 
 from protofl import client_app  # noqa: E402
 from protofl.federation import client as client_module  # noqa: E402
+from protofl.federation import client_training  # noqa: E402
 from protofl.federation.client_state import ClientStateStore  # noqa: E402
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides  # noqa: E402
 from protofl.strategies import get_method  # noqa: E402
@@ -51,7 +52,8 @@ PHASES = {  # name: (object, attribute) wrapped; None: the method's client class
     "state read": (ClientStateStore, "load"),
     "state save": (ClientStateStore, "save"),
     "receive": (None, "receive"),
-    "train": (client_module, "train"),
+    "train": (client_training, "train"),
+    "batchnorm recompute": (client_module, "recompute_batchnorm_stats"),
     "statistics": (None, "local_statistics"),
     "shared arrays up": (client_module.PrototypeClient, "shared_arrays"),
     "evaluate": (client_module.PrototypeClient, "score"),

@@ -75,7 +75,7 @@ def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], s
     _, client_class = get_method(settings.method)
     num_partitions = int(node_config["num-partitions"])
     state_dir = str(node_config.get("state-dir", settings.state_dir))
-    store = ClientStateStore(state, data.partition_id, state_dir)
+    store = ClientStateStore(state, data.partition_id, state_dir, int(settings.kept_state_mb * 2**20))
     client = client_class(settings, data, model, num_partitions, store)
     announce(client.precision, device, model)
     return client

@@ -39,9 +39,9 @@ Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval, accept clients
 # that lost their state, track it elsewhere (a tracker new to the run gets every round), train
-# more or fewer clients at once (the same numbers).
+# more or fewer clients at once, keep more or less state in memory (the same numbers).
 RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients",
-                       "tracker", "mlflow_uri", "clients_in_flight"})
+                       "tracker", "mlflow_uri", "clients_in_flight", "kept_state_mb"})
 
 
 # How a client keeps its model across rounds (MethodOptions.keeps_model), stored after each fit
@@ -187,6 +187,7 @@ class ExperimentSettings:
     resume: bool = False
     overwrite: bool = False
     state_dir: str = ""
+    kept_state_mb: float = 1024.0  # per process: clients' state kept in memory (client_state.KeptStates)
     resume_fresh_clients: bool = False
     tracker: str = ""  # comma-separated: tensorboard, mlflow, wandb (protofl.tracking)
     mlflow_uri: str = ""  # empty: a SQLite store in the run directory
@@ -245,6 +246,8 @@ class ExperimentSettings:
             raise ValueError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
         if self.round_timeout < 0:
             raise ValueError(f"round-timeout must be >= 0 seconds (0: none), got {self.round_timeout}")
+        if self.kept_state_mb < 0:
+            raise ValueError(f"kept-state-mb must be >= 0 (0: none kept), got {self.kept_state_mb}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint-every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
         tracker_names(self.tracker)

@@ -16,6 +16,7 @@ from flwr.compat.common import parameter as flower_parameter
 from flwr.server.client_proxy import ClientProxy
 
 from protofl.client_app import make_client_fn, release_worker_models
+from protofl.federation import client_state
 from protofl.server_app import make_server_fn
 from protofl.strategies import METHODS
 from protofl.task.storage import NUMPY_HEADER_LOCK
@@ -61,6 +62,7 @@ def run_in_process(run_config, num_nodes=3, node_class=None, plot=False, one_at_
     ``plot``: draw accuracy.png at the end, as every real run does (otherwise it is not written);
     ``one_at_a_time``: the clients one after the other on one thread, as on a GPU (None: only there)."""
     threads = torch.get_num_threads()
+    client_state.KEPT_STATES.clear()  # new nodes: what earlier runs' processes kept is not theirs
     # one torch thread per client, as a Ray simulation gives each (client-resources-num-cpus=1): the
     # clients train at once on Flower's thread pool, and each calling thread with more than one
     # runs its own OpenMP team; on 2 cores three clients x 2 threads ran 1.7-1.8x slower

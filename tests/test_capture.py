@@ -15,7 +15,7 @@ import protofl.task.capture as capture_module
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS, get_method
 from protofl.task.augment import make_augment
-from protofl.task.models import SeededDropout, build_model
+from protofl.task.models import MODELS, SeededDropout, build_model
 from protofl.task.capture import DeviceMeans, StepState, release_kept_steps, resolve_cuda_graphs
 from protofl.task.statistics import FeatureSums
 from protofl.task.train import train
@@ -313,7 +313,7 @@ def captures(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("model", ["cnn", "resnet18", "tv-resnet18", "tv-googlenet", "tv-mobilenetv2"])
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_a_captured_step_trains_as_the_eager_step_on_cuda(monkeypatch, float32_on_cuda, model):
     done = captures(monkeypatch)
     options = {"momentum": 0.9, "weight_decay": 5e-4, "max_grad_norm": 10.0}
@@ -368,3 +368,19 @@ def test_every_methods_captured_run_matches_its_eager_run_on_cuda(tmp_path, monk
             if amp == "off":
                 assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3), a["round"]
     assert all(done) and bool(done) == CAPTURABLE[(method, ())]
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_captured_run_resumed_after_round_2_matches_the_uninterrupted_one_on_cuda(tmp_path, float32_on_cuda):
+    """FedProto on CUDA (personal models in state files, captured steps): the resumed rounds start
+    from the files and from a step captured anew, and score as the rounds that were not interrupted."""
+    config = RUN | {"method": "fedproto", "output-dir": str(tmp_path), "num-server-rounds": 4, "amp": "off"}
+    run_in_process(config | {"run-name": "whole"})
+    run_in_process(config | {"run-name": "parts", "num-server-rounds": 2})
+    release_kept_steps()  # as in a new process
+    run_in_process(config | {"run-name": "parts", "resume": True})
+    assert json.loads((tmp_path / "parts" / "results.json").read_text())["resumed_after"] == [2]
+    for a, b in zip(rounds(tmp_path / "parts"), rounds(tmp_path / "whole"), strict=True):
+        assert abs(a["personalized_accuracy"] - b["personalized_accuracy"]) <= 3 / 360, a["round"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3), a["round"]

@@ -243,8 +243,8 @@ def test_a_partition_never_holds_more_state_files_than_the_disk_check_counts(tmp
     the server's instructions ask for them (the last checkpoint before each round)."""
     store, most, write = ClientStateStore(RecordDict(), 0, str(tmp_path)), [0], client_state.atomic_write
 
-    def counting(path, data):  # a new version beside the older ones, before those go
-        write(path, data)
+    def counting(path, data, **kwargs):  # a new version beside the older ones, before those go
+        write(path, data, **kwargs)
         most[0] = max(most[0], len(list(path.parent.glob("*.state"))))
 
     monkeypatch.setattr(client_state, "atomic_write", counting)

@@ -41,7 +41,7 @@ from flwr.common import Parameters, parameters_to_ndarrays
 from flwr.common.logger import log
 
 from protofl.federation import wire
-from protofl.federation.client_state import MEMORY, not_shared_line, run_marker
+from protofl.federation.client_state import MEMORY, not_shared_line, run_marker, sync_state_versions
 from protofl.federation.code_identity import running_digest
 from protofl.federation.state_disk import StateDiskCheck
 from protofl.federation.wire import ClassVectors
@@ -232,10 +232,16 @@ class RunCheckpoints:
 
     def save(self, server_round: int, parameters: Parameters, state: Callable[[], dict[str, Any]]) -> None:
         """After a complete round, when one is due: the checkpoint of ``parameters``, the server's
-        ``state()`` and the results; its time and size are recorded in the round."""
+        ``state()`` and the results, after the client state versions a resume from it reads (those of
+        the partitions that trained since the last one) are synced; its time (the sync's included)
+        and size are recorded in the round."""
         if not self.every or (server_round % self.every and server_round != self.last):
             return
         started = time.perf_counter()
+        if self.marked_state_dir:  # the clients fsync their versions in the background: these must be on disk now
+            since = {p: r for p, r in self.last_trained.items() if r > self.checkpointed_round}
+            sync_state_versions(Path(self.marked_state_dir).expanduser(), self.recorder.directory.name,
+                                self.run_token, since)
         checkpoint = Checkpoint(server_round, parameters_to_ndarrays(parameters), state(),
                                 self.recorder.results(), self.run_token)
         size = checkpoint.save(self.recorder.directory)
@@ -311,8 +317,8 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
     if conflicts:
         raise ValueError(
             f"resume=true: the run config differs from the checkpoint's in {', '.join(conflicts)}; only "
-            "num-server-rounds, checkpoint-every, resume-fresh-clients, tracker, mlflow-uri and clients-in-flight may "
-            "change when a run resumes"
+            "num-server-rounds, checkpoint-every, resume-fresh-clients, tracker, mlflow-uri, clients-in-flight and "
+            "kept-state-mb may change when a run resumes"
         )
     if checkpoint.server_round >= settings.num_server_rounds:
         raise ValueError(

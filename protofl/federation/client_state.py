@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import threading
 from logging import WARNING
 from pathlib import Path
 from typing import Any, Mapping
@@ -43,6 +44,7 @@ from protofl.task.storage import (
     atomic_write,
     read_file,
     remove_partial_writes,
+    sync_files,
 )
 
 MEMORY = "memory"  # the state-dir that keeps a node's state in Flower's context.state
@@ -88,18 +90,78 @@ def node_state_directory() -> Path:
     return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser() / "protofl-state"
 
 
+def _file_identity(path: Path) -> tuple[int, ...]:
+    status = path.stat()
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+class KeptStates:
+    """The state version each partition's client saved or read last in this process, by partition
+    folder, with its file's identity (device, inode, size, times): a load that finds that file
+    still the newest version takes these arrays (a new dict of them) instead of reading it. Up to
+    a byte budget per call: when full, a partition not kept yet is not kept (clients come round in
+    turn; evicting the oldest would evict each one before its next message)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Path, tuple[Path, tuple[int, ...], dict[str, np.ndarray], int]] = {}
+        self.held = 0  # bytes
+        self.lock = threading.Lock()
+
+    def clear(self) -> None:
+        """Keep nothing (as a process starting anew)."""
+        with self.lock:
+            self.entries, self.held = {}, 0
+
+    def get(self, path: Path) -> dict[str, np.ndarray] | None:
+        with self.lock:
+            entry = self.entries.get(path.parent)
+        if entry is None or entry[0] != path:
+            return None
+        try:
+            same = _file_identity(path) == entry[1]
+        except OSError:
+            same = False
+        return dict(entry[2]) if same else None
+
+    def put(self, path: Path, arrays: Mapping[str, np.ndarray], budget: int) -> None:
+        size = sum(np.asarray(a).nbytes for a in arrays.values())
+        try:
+            identity = _file_identity(path)
+        except OSError:
+            return
+        with self.lock:
+            old = self.entries.pop(path.parent, None)
+            self.held -= old[3] if old else 0
+            if self.held + size <= budget:
+                self.entries[path.parent] = (path, identity, dict(arrays), size)
+                self.held += size
+
+
+KEPT_STATES = KeptStates()  # this process's
+
+
+def sync_state_versions(directory: Path, run_name: str, token: str, rounds: Mapping[int, int]) -> None:
+    """fsync the state versions ``rounds`` names (partition -> the round of its version) in the
+    state dir ``directory``: those a resume from the checkpoint about to be written reads. A
+    version that is not there (a method that keeps no state, a node with a state dir of its own,
+    whose client synced it) is skipped."""
+    sync_files([directory / safe_name(run_name) / f"partition-{partition}" / f"round-{r}.{token_digits(token)}.state"
+                for partition, r in rounds.items()])
+
+
 class ClientStateStore:
     """Named arrays that one partition's client keeps across rounds; see the module's docstring.
 
     ``state``: Flower's ``context.state`` of the node (used with ``state-dir = "memory"``);
     ``state_dir``: the node's or the run's ``state-dir``; empty: the default, which :meth:`locate`
-    takes from an instruction.
+    takes from an instruction; ``kept_bytes``: what :data:`KEPT_STATES` may hold (0: nothing).
     """
 
-    def __init__(self, state: Any, partition_id: int, state_dir: str = "") -> None:
+    def __init__(self, state: Any, partition_id: int, state_dir: str = "", kept_bytes: int = 0) -> None:
         self.memory = state
         self.partition_id = partition_id
         self.state_dir = state_dir
+        self.kept_bytes = kept_bytes  # the budget of KEPT_STATES (the run's kept-state-mb)
         self.suggested = ""  # the server's default for this run (simulation), from an instruction
 
     def locate(self, config: Mapping[str, Any]) -> None:
@@ -155,19 +217,25 @@ class ClientStateStore:
         versions = self._versions(run_name, token, before)
         for server_round in sorted(versions, reverse=True):
             path = versions[server_round]
+            if path is not None and (kept := KEPT_STATES.get(path)) is not None:
+                return kept
             try:
                 data = bytearray(self.memory[MEMORY_RECORD]["arrays"]) if path is None else read_file(path)
-                return arrays_from_bytes(bytes(data)) if data[:2] == b"PK" else arrays_from_blob(data)
+                arrays = arrays_from_bytes(bytes(data)) if data[:2] == b"PK" else arrays_from_blob(data)
+                if path is not None:
+                    KEPT_STATES.put(path, arrays, self.kept_bytes)
+                return arrays
             except (OSError, ValueError) as err:  # ours, written atomically: only a damaged disk
                 log(WARNING, "protofl: partition %d's state of round %d is unreadable (%s)",
                     self.partition_id, server_round, err)
         return {}
 
     def save(self, run_name: str, token: str, server_round: int, arrays: Mapping[str, np.ndarray],
-             needed_from: int) -> None:
+             needed_from: int, durable: bool = True) -> None:
         """Keep ``arrays`` as the state after ``server_round``. On disk, the versions a replay of
         any round after ``needed_from`` (the server's last checkpoint) may read stay; the others
-        go, with other runs' versions and interrupted writes."""
+        go, with other runs' versions and interrupted writes. ``durable=False``: the file is fsynced
+        in the background (the server syncs it before its next checkpoint)."""
         directory = self.directory
         if directory is None:
             from flwr.app import ConfigRecord
@@ -177,7 +245,9 @@ class ClientStateStore:
         if not self.state_dir:  # a default one: only this node's user may enter it
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder = self._folder(directory, run_name)
-        atomic_write(folder / f"round-{server_round}.{token_digits(token)}.state", array_blob_parts(arrays))
+        path = folder / f"round-{server_round}.{token_digits(token)}.state"
+        atomic_write(path, array_blob_parts(arrays), durable=durable)
+        KEPT_STATES.put(path, arrays, self.kept_bytes)
         versions = self._versions(run_name, token, None)
         older = [r for r in versions if r <= needed_from]
         keep = {r for r in versions if r > needed_from} | ({max(older)} if older else set())
@@ -232,4 +302,7 @@ class LocalState:
         """After the fit of ``config``'s round: what it holds, if anything."""
         if self._arrays:
             self.store.check_shared(*self.run, self.marked)
-            self.store.save(*self.run, wire.server_round(config), self._arrays, wire.checkpointed_round(config))
+            # the server syncs the state dir it marked before its next checkpoint; another one, here
+            synced_by_server = bool(self.marked) and self.store.directory == Path(self.marked).expanduser()
+            self.store.save(*self.run, wire.server_round(config), self._arrays, wire.checkpointed_round(config),
+                            durable=not synced_by_server)

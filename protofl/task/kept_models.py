@@ -17,14 +17,18 @@ KEPT_MODELS = 4  # kinds of model a thread keeps
 
 
 class _KeptModel:
-    """A model a thread keeps for its next messages, with its values as built."""
+    """A model a thread keeps for its next messages, with its values as built (copied where the
+    model went after: the client moves it to its device, and a reset then copies on the device)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model, self.in_use = model, True
         self.initial = tensor_copies(model)
 
     def reset(self) -> torch.nn.Module:
-        copy_tensors(all_tensors(self.model), self.initial)
+        tensors = all_tensors(self.model)
+        if any(self.initial[name].device != tensor.device for name, tensor in tensors.items()):
+            self.initial = {name: self.initial[name].to(tensor.device) for name, tensor in tensors.items()}
+        copy_tensors(tensors, self.initial)
         for parameter in self.model.parameters():
             parameter.grad = None
         self.in_use = True

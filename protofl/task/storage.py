@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import math
 import os
+import queue
 import tempfile
 import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+
+LOGGER = logging.getLogger(__name__)  # the standard library's: protofl.task imports no Flower
 
 # numpy parses a .npy header with ast.literal_eval, and CPython 3.11's AST constructor is not
 # thread-safe (its recursion depth is per interpreter, set from the calling thread's stack): two
@@ -20,10 +25,16 @@ import numpy as np
 NUMPY_HEADER_LOCK = threading.Lock()
 
 
-def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview]) -> None:
+def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview], *, durable: bool = True) -> None:
     """Write ``data`` (or its parts, one after another) to ``path`` so that a crash leaves the old
     file or the new one, never a part of one: a temporary file (mode 0600) in the same directory,
-    fsynced, renamed over ``path``, and the directory fsynced so that the rename itself is on disk."""
+    fsynced, renamed over ``path``, and the directory fsynced so that the rename itself is on disk.
+
+    ``durable=False``: the file is renamed into place unsynced (other processes see it at once, and
+    it survives the writer's kill) and fsynced on a background thread (:func:`sync_later`); until
+    that is done, a crash of the machine may lose it or leave it unreadable. For a file whose
+    durability someone else ensures before it matters (a client's state, which the simulation's
+    server syncs before its checkpoint: :func:`sync_files`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -32,16 +43,77 @@ def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview]) -> None
             for part in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
                 handle.write(part)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(partial, path)
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    if durable:
+        _fsync_directory(path.parent)
+    else:
+        sync_later(path)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(fd)
     finally:
-        os.close(directory)
+        os.close(fd)
+
+
+def sync_files(paths: Sequence[Path]) -> None:
+    """fsync each file of ``paths`` and then each of their directories; a file that is gone (a
+    version deleted since) is skipped. Already synced files cost a system call each."""
+    directories = set()
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        directories.add(Path(path).parent)
+    for directory in directories:
+        with contextlib.suppress(FileNotFoundError):
+            _fsync_directory(directory)
+
+
+class _BackgroundSync:
+    """One daemon thread per process that fsyncs the files :func:`sync_later` hands it, in order."""
+
+    def __init__(self) -> None:
+        self.pending: queue.Queue[Path] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, path: Path) -> None:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="protofl-sync", daemon=True)
+                self.thread.start()
+        self.pending.put(path)
+
+    def _run(self) -> None:
+        while True:
+            path = self.pending.get()
+            try:
+                sync_files([path])
+            except OSError as err:  # the file's own durability is then the reader's concern
+                LOGGER.warning("protofl: fsync of %s failed (%s)", path, err)
+            finally:
+                self.pending.task_done()
+
+
+_background = _BackgroundSync()
+
+
+def sync_later(path: Path) -> None:
+    """fsync ``path`` and its directory on this process's background thread."""
+    _background.submit(Path(path))
 
 
 def remove_partial_writes(directory: Path) -> None:
