@@ -15,8 +15,10 @@ versions). Round 1 of each side is left out (warm-up). Writes ``<out>/client_sta
 
 ``--formats N``: instead, one version of each model's state saved and read back N times in each
 file format, taking turns: ``.npz`` (what state files were until 2026-11-26) and the array blob
-(``protofl.task.storage``); the same atomic, fsynced write, the model's tensors as the client
-hands them over. Medians; writes ``<out>/state_formats.json``.
+(``protofl.task.storage``), with the same atomic, fsynced write; and the blob written and renamed
+with its fsync on the background thread (``durable=False``: a simulated client's save), whose
+fsync may still run during the next format's turn. The model's tensors as the client hands them
+over. Medians; writes ``<out>/state_formats.json``.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ def format_timings(model: str, repeats: int) -> dict:
                 lambda p: storage.arrays_from_bytes(p.read_bytes())),
         "blob": (lambda p: storage.atomic_write(p, storage.array_blob_parts(arrays)),
                  lambda p: storage.arrays_from_blob(storage.read_file(p))),
+        "blob, fsync in the background": (  # a simulated client's save (the server syncs before its checkpoint)
+            lambda p: storage.atomic_write(p, storage.array_blob_parts(arrays), durable=False),
+            lambda p: storage.arrays_from_blob(storage.read_file(p))),
     }
     seconds = {f"{name} {step}": [] for name in formats for step in ("save", "load")}
     with tempfile.TemporaryDirectory(prefix="protofl-formats-") as directory:
