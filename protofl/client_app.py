@@ -57,14 +57,20 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         submit = training_worker_for(settings, context.node_config, context.run_id, build_client)
         if submit is not None:  # clients-in-flight: its GPU's training worker trains it
             return WorkerProxy(submit).to_client()
-        return build_client(settings, context.node_config, context.state).to_client()
+        # a Ray simulation hands each partition's messages to any of its ClientApps: one would find
+        # the partition's last state in its memory about once in as many messages as there are of them
+        return build_client(settings, context.node_config, context.state,
+                            keep_state_in_memory=ray_cpus() is None).to_client()
 
     return client_fn
 
 
-def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], state: Any) -> NumPyClient:
+def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], state: Any,
+                 keep_state_in_memory: bool = True) -> NumPyClient:
     """The configured method's client of this node's partition (``state``: the node's
-    ``context.state``, read with ``state-dir = "memory"`` only)."""
+    ``context.state``, read with ``state-dir = "memory"`` only; ``keep_state_in_memory``: this
+    process keeps the state it saves and reads, up to ``kept-state-mb``, for the partition's next
+    message, see :class:`~protofl.federation.client_state.KeptStates`)."""
     # the run config's data-dir is the server's path: this node reads the data set (its
     # partition and the global test set) from its own
     settings = dataclasses.replace(settings, data_dir=str(node_config.get("data-dir", settings.data_dir)))
@@ -75,7 +81,8 @@ def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], s
     _, client_class = get_method(settings.method)
     num_partitions = int(node_config["num-partitions"])
     state_dir = str(node_config.get("state-dir", settings.state_dir))
-    store = ClientStateStore(state, data.partition_id, state_dir, int(settings.kept_state_mb * 2**20))
+    kept_bytes = int(settings.kept_state_mb * 2**20) if keep_state_in_memory else 0
+    store = ClientStateStore(state, data.partition_id, state_dir, kept_bytes)
     client = client_class(settings, data, model, num_partitions, store)
     announce(client.precision, device, model)
     return client

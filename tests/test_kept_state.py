@@ -134,6 +134,22 @@ def test_every_version_a_resume_reads_is_fsynced_before_the_checkpoint_that_name
     assert all(r["personalized_accuracy"] > 0 for r in rounds)
 
 
+def test_a_ray_simulations_client_apps_keep_no_state_in_memory(tmp_path, kept_states, monkeypatch):
+    """Ray hands a partition's messages to any ClientApp: each would hold every partition's state for
+    about one hit in as many messages as there are ClientApps. A training worker's clients (all of
+    its GPU's partitions in one process) and in-process runs keep it."""
+    from protofl import client_app
+
+    config = {"method": "fedproto", "dataset": "digits", "num-server-rounds": 1, "output-dir": str(tmp_path)}
+    monkeypatch.setattr(client_app, "ray_cpus", lambda: 1)  # as in a Ray actor
+    run_in_process(config | {"run-name": "ray"}, num_nodes=2)
+    assert kept_states.entries == {}
+    monkeypatch.undo()
+    monkeypatch.setattr(client_state, "KEPT_STATES", kept_states)
+    run_in_process(config | {"run-name": "in-process"}, num_nodes=2)
+    assert len(kept_states.entries) == 2
+
+
 def test_a_kept_model_moved_to_its_device_is_reset_from_copies_there():
     """The client moves its model to its device after it is kept: the values as built follow it once,
     so that a reset copies on the device, not from the host every message."""
