@@ -6,13 +6,14 @@ of every message timed.
         model='tv-resnet18' dataset='cifar10' num-server-rounds=3" --out runs/profile
 
 Phases (inclusive; a phase inside another counts in both): the whole message, the client's data
-(from the process cache) and model (kept, set back to its initial values), reading and saving the client's state
-(the personal model), loading what the server sent, training, the BatchNorm statistics recomputed
-(``batchnorm-stats``), the class statistics, the shared arrays going up. On CUDA each phase starts and ends with ``torch.cuda.synchronize()``, so that
-the GPU work it queued counts in it. Round 1 (data loading, CUDA set-up, the first capture) is left
-out of the means. Writes ``message_profile.json`` under ``--out``. ``--cprofile N`` and
-``--torch-profile N`` also print where the host's time goes (cProfile) and which operators take
-the device's (torch.profiler, one fit message of round 2).
+(from the process cache) and model (kept, set back to its initial values), reading and saving the
+client's state (the personal model), loading what the server sent, training, the BatchNorm
+statistics recomputed (``batchnorm-stats``), the class statistics, the shared arrays going up. On
+CUDA each phase starts and ends with ``torch.cuda.synchronize()``, so that the GPU work it queued
+counts in it. Round 1 (data loading, CUDA set-up, the first capture) is left out of the means.
+Writes ``message_profile.json`` under ``--out``. ``--cprofile N`` and ``--torch-profile N`` also
+print where the host's time goes (cProfile) and which operators take the device's (torch.profiler,
+one fit message of round 2).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 its fsync off the reply's path where the server syncs it before its checkpoint, and the kept
 model's reset on the model's device."""
 
-import json
 import os
 
 import numpy as np
@@ -60,8 +59,8 @@ def test_what_a_message_does_to_its_state_dict_stays_in_that_message(tmp_path, r
 
 
 def test_kept_state_stays_within_its_budget_and_keeps_the_partitions_it_holds(tmp_path, reads):
-    """Four bytes of budget per 16-byte state: partition 0 is kept, then 1 is not (clients come
-    round in turn: evicting 0 for 1 would miss both next round); 0's newer version replaces its older."""
+    """A budget of 24 bytes for states of 16: partition 0 is kept, then 1 is not (clients come round
+    in turn: evicting 0 for 1 would miss both next round); 0's newer version replaces its older."""
     stores = [ClientStateStore(RecordDict(), p, str(tmp_path / "budget"), 24) for p in range(2)]
     for r in (1, 2):
         for store in stores:
@@ -95,7 +94,7 @@ def test_a_simulated_client_replies_before_its_state_is_fsynced_a_deployments_af
     config = round_config(1, 0, "run", "ab", 0, str(shared), str(shared))
     client_state.run_marker(shared, "run", "ab").parent.mkdir(parents=True)
     client_state.run_marker(shared, "run", "ab").touch()
-    for state_dir, synced_now in (("", False), (str(tmp_path / "own"), True)):
+    for state_dir in ("", str(tmp_path / "own")):  # the server's (simulation), the node's own
         state = LocalState(ClientStateStore(RecordDict(), 0, state_dir))
         state.use(config, 1)
         state.arrays["w"] = np.ones(2)
@@ -130,8 +129,6 @@ def test_every_version_a_resume_reads_is_fsynced_before_the_checkpoint_that_name
     assert [w[0] for w in writes] == [2, 4]
     for server_round, needed, synced_before in writes:
         assert needed and all(path in synced_before for path in needed), server_round
-    rounds = json.loads((tmp_path / "r" / "results.json").read_text())["rounds"]
-    assert all(r["personalized_accuracy"] > 0 for r in rounds)
 
 
 def test_a_ray_simulations_client_apps_keep_no_state_in_memory(tmp_path, kept_states, monkeypatch):
