@@ -5,7 +5,9 @@ of every message timed.
     python benchmarks/message_profile.py --num-nodes 6 --run-config "method='fedproto' \
         model='tv-resnet18' dataset='cifar10' num-server-rounds=3" --out runs/profile
 
-Phases (inclusive; a phase inside another counts in both): the whole message, the client's data
+Every message runs on one thread, as a ClientApp runs them (Flower's in-process server would start
+each round on new threads, whose first messages then build their model and capture their step
+anew). Phases (inclusive; a phase inside another counts in both): the whole message, the client's data
 (from the process cache) and model (kept, set back to its initial values), reading and saving the
 client's state (the personal model), loading what the server sent, training, the BatchNorm
 statistics recomputed (``batchnorm-stats``), the class statistics, the shared arrays going up. On
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import cProfile
 import datetime
@@ -109,12 +112,20 @@ def main() -> int:
     profiler = cProfile.Profile() if args.cprofile else None
     traced: list[torch.profiler.profile] = []
 
-    def each_message(self, kind, ins):  # every num_nodes-th fit message starts a round
+    # Flower's in-process server runs each round's messages on a new thread pool; a ClientApp (a Ray
+    # actor, a SuperNode's process) runs all of its messages on one thread, which keeps its model and
+    # captured steps across rounds. So does this profile.
+    client_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="clientapp")
+
+    def each_message(self, kind, ins):
+        return client_thread.submit(one_message, self, kind, ins).result()
+
+    def one_message(self, kind, ins):  # every num_nodes-th fit message starts a round
         if kind == "fit":
             messages["count"] += 1
             if messages["count"] % args.num_nodes == 1 or args.num_nodes == 1:
                 rounds.append(collections.defaultdict(list))
-        if profiler:  # the clients run on the server's worker thread
+        if profiler:  # the clients run on client_thread
             profiler.enable()
         trace = (kind == "fit" and args.torch_profile and len(rounds) == 2 and not traced)
         try:
