@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The measurements of docs/results/gpu.md on a CUDA machine, from the project root:
-#   tests:      pytest -m gpu tests/test_capture.py tests/test_training_worker.py (captured steps, kept across
-#               clients, against eager ones; clients captured at once in a training worker against one at a time)
+#   tests:      pytest -m gpu tests/test_capture.py tests/test_training_worker.py (captured steps on every backbone,
+#               kept across clients, against eager ones; clients captured at once in a training worker against one
+#               at a time; a resumed captured run), then every method's captured run against its eager run
+#               (METHOD_MATRIX=no skips it)
 #   throughput: tv-resnet18 (batch 64 and 10), the CIFAR ResNet-18 and the CNN (batch 64) on CIFAR-10's
 #               shapes, fp32 eager against the defaults; tv-resnet18 at batch 64 again with every
 #               client capturing its own step (--kept-steps 0), and 1, 2, 4 clients in flight at
@@ -37,10 +39,15 @@ measure() {  # batch size, clients, data fraction, rounds, models, extra argumen
     cat "/tmp/tp/$1-$model${6:+-x}/throughput.json" >> "$OUT/throughput.jsonl" 2>/dev/null
   done
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -m gpu tests/test_capture.py tests/test_training_worker.py -q -p no:cacheprovider --durations=12 \
-    > "$OUT/gpu-tests.txt" 2>&1
+if [ "$what" = tests ] || [ "$what" = all ]; then  # the every-method matrix (32 methods x 4 runs) after the rest
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -m gpu tests/test_capture.py tests/test_training_worker.py -k "not every_methods" \
+    -q -p no:cacheprovider --durations=12 > "$OUT/gpu-tests.txt" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu-tests.txt"; grep -E "passed|failed|error|exit|Fatal|Error" "$OUT/gpu-tests.txt" | head -20
+  if [ "${METHOD_MATRIX:-yes}" = yes ]; then
+    timeout ${MATRIX_TIMEOUT:-400} python3 -m pytest -m gpu tests/test_capture.py -k every_methods -q -p no:cacheprovider \
+      --durations=5 > "$OUT/gpu-tests-methods.txt" 2>&1
+    echo "pytest exit $?" >> "$OUT/gpu-tests-methods.txt"; tail -3 "$OUT/gpu-tests-methods.txt"
+  fi
 fi
 if [ "$what" = throughput ] || [ "$what" = all ]; then
   measure 64 8 0.4 2 tv-resnet18
