@@ -140,12 +140,22 @@ class KeptStates:
 KEPT_STATES = KeptStates()  # this process's
 
 
+def partition_folder(directory: Path, run_name: str, partition_id: int) -> Path:
+    """Where a partition's state versions of a run go in the state dir ``directory``."""
+    return directory / safe_name(run_name) / f"partition-{partition_id}"
+
+
+def version_name(server_round: int, token: str) -> str:
+    """The file name of the state version after ``server_round`` of the run whose token is ``token``."""
+    return f"round-{server_round}.{token_digits(token)}.state"
+
+
 def sync_state_versions(directory: Path, run_name: str, token: str, rounds: Mapping[int, int]) -> None:
     """fsync the state versions ``rounds`` names (partition -> the round of its version) in the
     state dir ``directory``: those a resume from the checkpoint about to be written reads. A
     version that is not there (a method that keeps no state, a node with a state dir of its own,
     whose client synced it) is skipped."""
-    sync_files([directory / safe_name(run_name) / f"partition-{partition}" / f"round-{r}.{token_digits(token)}.state"
+    sync_files([partition_folder(directory, run_name, partition) / version_name(r, token)
                 for partition, r in rounds.items()])
 
 
@@ -177,21 +187,24 @@ class ClientStateStore:
             return Path(self.state_dir).expanduser()
         return Path(self.suggested) if self.suggested else node_state_directory()
 
+    def keeps_in(self, marked: str) -> bool:
+        """Whether this store keeps its state in ``marked``, the state dir the ServerApp marked (a
+        simulation's), which the server also syncs before its checkpoints."""
+        directory = self.directory
+        return bool(marked) and directory is not None and directory == Path(marked).expanduser()
+
     def check_shared(self, run_name: str, token: str, marked: str) -> None:
         """Raises :class:`StateDirNotShared` when this store keeps its state in ``marked`` (the
         state dir the ServerApp marked) but does not see the run's marker there."""
-        directory = self.directory
-        if not marked or directory is None or directory != Path(marked).expanduser():
+        if not self.keeps_in(marked):
             return
+        directory = self.directory
         if not run_marker(directory, run_name, token).is_file():
             raise StateDirNotShared(
                 f"state-dir {directory} {NOT_SHARED}: the ClientApp on {socket.gethostname()} does not see "
                 "the marker the ServerApp placed there at the start of the run. Every node needs that "
                 "directory at the same path (a shared filesystem, state-dir=PATH), or state-dir=memory "
                 "keeps the state of each client in its Flower context")
-
-    def _folder(self, directory: Path, run_name: str) -> Path:
-        return directory / safe_name(run_name) / f"partition-{self.partition_id}"
 
     def _versions(self, run_name: str, token: str, before: int | None) -> dict[int, Path | None]:
         """This run's saved states by round (``token``: the run token), those before round
@@ -201,7 +214,7 @@ class ClientStateStore:
             blob = self.memory.get(MEMORY_RECORD)
             versions: dict[int, Path | None] = {int(blob.get("round", 0)): None} if blob is not None else {}
         else:
-            folder, versions = self._folder(directory, run_name), {}
+            folder, versions = partition_folder(directory, run_name, self.partition_id), {}
             for path in sorted(folder.iterdir(), key=lambda p: p.suffix == ".state") if folder.is_dir() else ():
                 match = _VERSION_NAME.fullmatch(path.name)
                 if match and match["token"] == token_digits(token):
@@ -244,8 +257,8 @@ class ClientStateStore:
             return
         if not self.state_dir:  # a default one: only this node's user may enter it
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        folder = self._folder(directory, run_name)
-        path = folder / f"round-{server_round}.{token_digits(token)}.state"
+        folder = partition_folder(directory, run_name, self.partition_id)
+        path = folder / version_name(server_round, token)
         atomic_write(path, array_blob_parts(arrays), durable=durable)
         KEPT_STATES.put(path, arrays, self.kept_bytes)
         versions = self._versions(run_name, token, None)
@@ -303,6 +316,5 @@ class LocalState:
         if self._arrays:
             self.store.check_shared(*self.run, self.marked)
             # the server syncs the state dir it marked before its next checkpoint; another one, here
-            synced_by_server = bool(self.marked) and self.store.directory == Path(self.marked).expanduser()
             self.store.save(*self.run, wire.server_round(config), self._arrays, wire.checkpointed_round(config),
-                            durable=not synced_by_server)
+                            durable=not self.store.keeps_in(self.marked))

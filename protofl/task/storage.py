@@ -104,8 +104,6 @@ class _BackgroundSync:
                 sync_files([path])
             except OSError as err:  # the file's own durability is then the reader's concern
                 LOGGER.warning("protofl: fsync of %s failed (%s)", path, err)
-            finally:
-                self.pending.task_done()
 
 
 _background = _BackgroundSync()
