@@ -68,6 +68,33 @@ def test_the_screen_drops_the_update_far_above_the_rounds_median():
     assert ratios["screen_prototype_ratio"] == pytest.approx(1.0)
 
 
+def test_a_parameter_change_may_grow_with_the_clients_local_steps():
+    """Under Dirichlet(0.1) honest training sizes differ 50-fold, and so do the changes their local
+    steps add up to (SCAFFOLD on Fashion-MNIST: 0.008 after one step, 0.46 after 32). A change is
+    compared with the median client's scaled by its steps over that client's (the lower medians);
+    a client of few steps that moves as far as one of many is still dropped."""
+    sizes = {0: 10, 1: 20, 2: 500, 3: 500}  # 2, 4, 100 and 100 steps (batch 10, 2 epochs)
+    gate = Admission(ExperimentSettings(), MethodOptions(), REFERENCES, C, D, (),
+                     lambda p: (sizes[p], 5, np.array([sizes[p], 0, 0])), lambda update: None)
+    gate.asked = {str(100 + p): p for p in sizes}
+
+    def replies(changes):
+        means = np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
+        return [(FakeProxy(str(100 + p)),
+                 FitRes(OK, ndarrays_to_parameters([REFERENCES[0] + np.float32(shift), REFERENCES[1]]), sizes[p],
+                        {"partition-id": p, "train-loss": 1.0,
+                         **ClassStatistics(means, np.array([sizes[p], 0, 0])).to_metrics()}))
+                for p, shift in enumerate(changes)]
+
+    updates, _ = gate.replies(1, "fit", replies([0.01, 0.02, 0.5, 0.5]), gate.fit_update)
+    kept, dropped, ratios = gate.screen(1, updates)
+    assert len(kept) == 4 and ratios["screen_parameter_ratio"] == pytest.approx(1.0)
+    updates, _ = gate.replies(2, "fit", replies([0.01, 0.5, 0.02, 0.02]), gate.fit_update)
+    kept, dropped, _ = gate.screen(2, updates)
+    assert [d["partition"] for d in dropped] == [1]
+    assert dropped[0]["reason"] == "parameter change norm 1 is above 10 x the round's median 0.04"
+
+
 def test_what_goes_out_must_have_the_shapes_sent_and_be_finite():
     assert output_problem(list(REFERENCES), REFERENCES, {"prototypes": np.ones((C, D))}) is None
     assert output_problem(REFERENCES[:1], REFERENCES, {}) == "the aggregate has 1 arrays, expected 2"

@@ -8,7 +8,7 @@ import torch
 from protofl.report import class_weighted_accuracy, personalized_stats, summarize
 from protofl.strategies.fedproto import prototype_loss
 from protofl.task.prototypes import aggregate_prototypes, sigmoid_discrepancy_weights
-from protofl.task.robust import lower_median, outliers, robust_average_layers, robust_mean, trimmed_mean
+from protofl.task.robust import robust_average_layers, robust_mean, trimmed_mean
 from protofl.task.sampling import client_seed, sample_partitions
 from protofl.task.weights import weighted_average
 
@@ -165,15 +165,6 @@ def test_robust_layers_keep_dtypes_and_clip_the_whole_update():
     np.testing.assert_allclose(clipped[0], (np.array([3.0, 4.0]) * scale + [0.0, 1.0] + [0.0, 2.0]) / 3, rtol=1e-6)
     method = robust_average_layers(clients, [1, 1, 2], "method")
     assert method[0].tolist() == weighted_average(clients, [1, 1, 2])[0].tolist()
-
-
-def test_the_screen_compares_with_the_lower_median():
-    assert lower_median([1.0, 9.0]) == 1.0 and lower_median([3.0, 1.0, 2.0]) == 2.0
-    assert outliers([1.0, 1.5, 2.0, 30.0], 10.0).tolist() == [False, False, False, True]
-    # two attackers of four cannot move the lower median to themselves
-    assert outliers([1.0, 1.5, 1e6, 1e6], 10.0).tolist() == [False, False, True, True]
-    assert not outliers([0.0, 0.0, 5.0], 10.0).any()  # nothing to compare with
-    assert not outliers([1.0, 1e9], 0.0).any()  # screen off
 
 
 def test_robust_prototype_rules_apply_per_class_over_its_holders():

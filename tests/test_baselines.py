@@ -107,11 +107,13 @@ def test_step_multipliers_count_each_gradient_as_often_as_the_momentum_applies_i
 def test_a_server_optimiser_steps_the_parameters_and_averages_the_batchnorm_statistics(tmp_path):
     """FedOpt and SCAFFOLD (eta_g 2) on a BatchNorm ResNet: a running variance is averaged, never
     stepped (a step could drive it below zero), and so is the batch count."""
-    for method, options in (("fedopt", {"optimizer": "adam", "eta": 1.0, "tau": 0.1}), ("scaffold", {"server-lr": 2.0})):
-        strategy = strategy_for(method, tmp_path / method, options, model="resnet10")
+    adam, scaffold = {"optimizer": "adam", "eta": 1.0, "tau": 0.1}, {"server-lr": 2.0}
+    for method, options in (("fedopt", adam), ("scaffold", scaffold)):
+        # one step of lr 1: SCAFFOLD's Delta c = (x - y) / (K lr) - c = -by
+        strategy = strategy_for(method, tmp_path / method, options, model="resnet10", local_epochs=1, lr=1.0)
         start_round(strategy, [0, 1])
         x0 = strategy.shared_weights()
-        replies = [reply(p, shifted(x0, by), 10, **{k: encode_array(np.zeros_like(c)) for k, c in
+        replies = [reply(p, shifted(x0, by), 10, **{k: encode_array(np.full_like(c, -by)) for k, c in
                                                     indexed("control-delta", getattr(strategy, "control", [])).items()})
                    for p, by in ((0, 1.0), (1, 3.0))]
         x1 = parameters_to_ndarrays(strategy.aggregate_fit(1, replies, [])[0])
@@ -354,7 +356,9 @@ def control_delta(value, shapes):
 
 
 def test_scaffold_strategy_steps_uniformly_and_averages_the_controls_over_every_partition(tmp_path):
-    strategy = strategy_for("scaffold", tmp_path, {"server-lr": 0.5}, num_partitions=5)
+    # one step of lr 1 (batch 30): Delta c = (x - y) / (K lr) - c = 1 and 3 for a move of -1 and -3
+    strategy = strategy_for("scaffold", tmp_path, {"server-lr": 0.5}, num_partitions=5, local_epochs=1, lr=1.0,
+                            batch_size=30)
     start_round(strategy, [0, 1, 2])
     assert isinstance(strategy, SCAFFOLDStrategy)
     x = strategy.shared_weights()
@@ -369,15 +373,15 @@ def test_scaffold_strategy_steps_uniformly_and_averages_the_controls_over_every_
         return [decode_array(config[f"control/{i}"], ArraySpec(s), BIG) for i, s in enumerate(shapes)]
 
     assert all((c == 0).all() for c in broadcast_control())
-    a = reply(0, shifted(x, 1.0), 10, **control_delta(1.0, shapes))
-    b = reply(1, shifted(x, 3.0), 30, **control_delta(3.0, shapes))
-    no_delta = reply(2, shifted(x, 2.0), 20)  # an honest-looking update without its control-delta upload
+    a = reply(0, shifted(x, -1.0), 10, **control_delta(1.0, shapes))
+    b = reply(1, shifted(x, -3.0), 30, **control_delta(3.0, shapes))
+    no_delta = reply(2, shifted(x, -2.0), 20)  # an honest-looking update without its control-delta upload
     new, metrics = strategy.aggregate_fit(1, [a, b, no_delta], [])
     assert metrics["accepted"] == 2
     dropped = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][0]["dropped"]
     assert [d["partition"] for d in dropped] == [2] and "missing 'control-delta/0'" in dropped[0]["reason"]
-    # x + 0.5 * mean(1, 3) uniform = x + 1 (by training size it would be x + 1.25)
-    assert_moved(parameters_to_ndarrays(new), x, 1.0)
+    # x + 0.5 * mean(-1, -3) uniform = x - 1 (by training size it would be x - 1.25)
+    assert_moved(parameters_to_ndarrays(new), x, -1.0)
     # c = 0 + (1 + 3) / N, N = 5 partitions (not the 2 that replied, nor the 3 asked)
     for c in broadcast_control():
         np.testing.assert_allclose(c, 0.8, rtol=1e-6)
@@ -578,6 +582,7 @@ def test_scaffold_keeps_c_the_mean_of_the_clients_c_i_when_an_update_is_lost(tmp
 
     def fit_all(server_round, parameters):
         start_round(strategy, [0, 1, 2])
+        strategy.admission.sent_parameters = list(parameters)  # as configure_fit sets it
         replies = []
         for client, config in zip(clients(), strategy.round_configs(server_round, [0, 1, 2])):
             arrays, n, metrics = client.fit(parameters, config)

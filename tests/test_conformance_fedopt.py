@@ -89,7 +89,7 @@ def small_cnn() -> SplitModel:
 
 
 def make_strategy(tmp_path, sizes=SIZES, full_model=False, **options) -> FedOptStrategy:
-    """protofl's FedOpt after discovery, as tests/test_hostile.py's ``make_strategy`` builds one:
+    """protofl's FedOpt after discovery, as tests/replies.py's ``make_strategy`` builds one:
     nodes 100..103 claim partitions 0..3 of training sizes ``sizes``, each believed. The model: the
     digits CNN protofl builds (``full_model``), or :func:`small_cnn`."""
     settings = ExperimentSettings(method="fedopt", model="cnn", output_dir=str(tmp_path), run_name="fedopt",
@@ -125,7 +125,7 @@ def start_round(strategy, sent) -> None:
 
 
 def replies(sent, sizes, server_round, changes=None, signed=False):
-    """The clients' fit replies (as tests/test_hostile.py's ``honest_update``): ``sent`` plus each
+    """The clients' fit replies (as tests/replies.py's ``honest_update``): ``sent`` plus each
     client's own seeded noise (``signed``: a change of SPREAD to 2 SPREAD in a direction per entry
     that all clients share, so |Delta| >= SPREAD), or plus ``changes[p]`` at the last entry of the
     last array only."""

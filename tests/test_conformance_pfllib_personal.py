@@ -39,7 +39,7 @@ OPTIONS = {
                          "mu": float(g["their.mu"])},
     "perfedavg": lambda g: {"alpha": float(g["their.alpha"]), "beta": float(g["their.beta"])},
     "fedamp": lambda g: {"alpha-k": float(g["their.alphaK"]), "lambda": float(g["their.lamda"]),
-                         "sigma": float(g["their.sigma"]), "proximal": "pfllib"},
+                         "sigma": float(g["their.sigma"]), "proximal": "pfllib", "peer-weight-bound": False},
 }
 
 
@@ -105,6 +105,7 @@ def test_fedamp_attention_weights_equal_pfllib(tmp_path):
     for p in ROUNDS[2]:
         distances = theirs[f"round2.client{p}.sq_distance"]
         others = [j for j, q in enumerate(theirs["round1.uploaded_ids"]) if q != p]
-        xi, xi_own = attention_weights(distances[others], float(given["their.alphaK"]), float(given["their.sigma"]))
+        xi, xi_own = attention_weights(distances[others], float(given["their.alphaK"]), float(given["their.sigma"]),
+                                       bounded=False)
         assert_matches(xi, theirs[f"round2.client{p}.coef"][others], f"client {p} xi", **FLOAT64)
         assert_matches(xi_own, theirs[f"round2.client{p}.coef_self"], f"client {p} xi_ii", **FLOAT64)

@@ -26,6 +26,17 @@ def test_the_simplex_minimum_leaves_out_a_coordinate_whose_gradient_stays_above(
     np.testing.assert_array_equal(simplex_minimum(np.array([[1.0, 2.0], [2.0, 8.0]])), [1.0, 0.0])
 
 
+@pytest.mark.parametrize("coupling", [1.0, 0.1])
+def test_one_huge_diagonal_entry_gets_its_coordinate_no_weight_and_leaves_the_rest_their_minimum(coupling):
+    """FedPAC with one client's V = 1e30: at the others' minimum (0, 1/2, 1/2), coordinate 0's
+    multiplier is 2 b - 1 (b its coupling). At b = 1 it stays bound: a tolerance of 1e-12 x the
+    largest entry (1e18) stopped at the start vertex (0, 1, 0). At b = 0.1 it is freed, its weight
+    (1 - 2b) / 2e30: a least-squares cut-off relative to the largest singular value (2e30) made the
+    rest nan."""
+    p = np.array([[1e30, coupling, coupling], [coupling, 1.0, 0.0], [coupling, 0.0, 1.0]])
+    np.testing.assert_allclose(simplex_minimum(p), [0.0, 0.5, 0.5], rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_simplex_minimum_meets_the_kkt_conditions_of_a_random_semidefinite_form(seed):
     rng = np.random.default_rng(seed)

@@ -14,102 +14,17 @@ import numpy as np
 import pytest
 from fakes import OK, FakeProxy, uploads_class_statistics
 from inprocess import methods_fast_for
-from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import EvaluateRes, FitRes, Parameters, parameters_to_ndarrays
+from replies import (
+    N, altered, assert_same_state, class_means_of, exchanges_nothing, honest_update, make_strategy,
+    scaled_parameters, server_state,
+)
 
-from protofl.federation.partitions import PartitionClaim
-from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
-from protofl.settings import ExperimentSettings
-from protofl.strategies import METHODS, build_method_model, get_method
-from protofl.strategies.fedgen import LABEL_COUNTS
-from protofl.task.data import load_dataset, partition_sizes
+from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassVectors, encode_array
+from protofl.strategies import METHODS
+from protofl.task.data import load_dataset
 
-N = 4
 HOSTILE = 3
-EXTRA_METRICS = {  # what each method's clients report besides the template's keys
-    "fedcosr": {"la-tau": 0.5, "contrastive-loss": 0.3, "ce-loss": 0.7},
-    "fedsa": {"regularization-loss": 0.1, "margin-contrastive-loss": 0.2, "calibration-loss": 0.3},
-    "fedsc": {"rpcl-loss": 0.4, "cpdr-loss": 0.1},
-    "fedskc": {"lcl-loss": 0.5},
-    "fedprox": {"proximal-loss": 0.01},
-    "moon": {"contrastive-loss": 0.6},
-    "fedntd": {"ntd-loss": 0.2},
-    "fedrcl": {"contrastive-loss": 1.2, "penalty-loss": 0.05},
-}
-
-
-# CReFF's server trains for 400 epochs a round by default: 2 of each exercise the same code
-QUICK_OPTIONS = {"creff": {"match-epochs": 2, "retrain-epochs": 2}, "fedgen": {"server-epochs": 2},
-                 "fedtgp": {"server-epochs": 2}}
-
-
-def settings_for(method, tmp_path, name, **overrides):
-    overrides = {"model": "fednh-cnn" if method == "fednh" else "cnn",
-                 "options": QUICK_OPTIONS.get(method, {})} | overrides
-    return ExperimentSettings(method=method, output_dir=str(tmp_path), run_name=name, min_fit_clients=2, **overrides)
-
-
-def make_strategy(method, tmp_path, name="run", **overrides):
-    """A strategy after discovery: nodes 100..103 claim partitions 0..3 with their real sizes."""
-    settings = settings_for(method, tmp_path, name, **overrides)
-    dataset = load_dataset("digits")
-    strategy_class, _ = get_method(method)
-
-    def sizes(n, pid):
-        return partition_sizes("digits", "", settings.partition_spec(n), pid)
-
-    strategy = strategy_class(settings, build_method_model(settings, dataset), 10, partition_sizes=sizes)
-    for p in range(N):
-        expected = sizes(N, p)
-        claim = PartitionClaim(p, N, int(expected.train_counts.sum()), expected.num_test)
-        strategy.discovery.registry.claims[str(100 + p)] = claim
-    strategy.discovery.registry.freeze()
-    holders = strategy.discovery.registry.holders(strategy.discovery.registry.claims)
-    strategy.discovery.nodes = {p: FakeProxy(node) for p, node in holders.items()}
-    strategy.sampled = list(range(N))
-    strategy.admission.asked = {str(100 + p): p for p in range(N)}
-    return strategy
-
-
-def exchanges_nothing(strategy):
-    """Whether the method's clients send no parameters, class statistics or named arrays (Local)."""
-    return not strategy.shared_weights() and strategy.options.statistics is None and not strategy.upload_specs()
-
-
-def honest_update(strategy, pid, round_=1):
-    """A plausible fit reply of partition ``pid``: small parameter changes, unit-scale class vectors."""
-    rng = np.random.default_rng(10 * round_ + pid)
-    parameters = [(w + rng.normal(0, 0.01, w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w.copy()
-                  for w in strategy.shared_weights()]
-    counts = strategy.discovery.registry.sizes(pid).train_counts
-    dim = strategy.options.statistics_dim(10, strategy.feature_dim)
-    metrics = {"partition-id": pid, "train-loss": 1.0, **EXTRA_METRICS.get(strategy.settings.method, {})}
-    for name, spec in strategy.upload_specs().items():  # the method's named uploads (SCAFFOLD's, FedGen's counts)
-        honest = counts if name == LABEL_COUNTS else rng.normal(0, 0.01, spec.shape)
-        honest = np.abs(honest) if spec.nonnegative else honest  # (FedPAC's feature variance)
-        metrics[name] = encode_array(honest.astype(spec.dtypes[0]))
-    if strategy.options.statistics is not None:
-        means = np.zeros((10, dim), np.float32)
-        rows = rng.normal(1.0, 0.2, (10, dim)) / np.sqrt(dim)  # norm about 1, within FedNH's unit ball
-        means[counts > 0] = (rows / np.maximum(1.0, np.linalg.norm(rows, axis=1, keepdims=True)))[counts > 0]
-        metrics |= ClassStatistics(means, counts).to_metrics()
-    return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(parameters), int(counts.sum()), metrics)
-
-
-def _means(res):
-    return np.load(io.BytesIO(res.metrics[CLASS_MEANS]))
-
-
-def _with(res, parameters=None, num_examples=None, **metrics):
-    return FitRes(OK, parameters if parameters is not None else res.parameters,
-                  res.num_examples if num_examples is None else num_examples, res.metrics | metrics)
-
-
-def _scaled_parameters(strategy, res, factor):
-    arrays = parameters_to_ndarrays(res.parameters)
-    return ndarrays_to_parameters([
-        (s + factor * (a - s)).astype(a.dtype) if a.dtype.kind == "f" else a
-        for a, s in zip(arrays, strategy.shared_weights())
-    ])
 
 
 def _pickled_array():
@@ -119,41 +34,41 @@ def _pickled_array():
 
 # Each attack: (strategy, honest reply of partition 3) -> the list of (proxy, reply) the hostile node sends.
 def attack_huge_class_vector(strategy, res):
-    means = _means(res)
+    means = class_means_of(res)
     means[np.flatnonzero(means.any(axis=1))[0]] = 1e21
-    return [(FakeProxy("103"), _with(res, **{CLASS_MEANS: encode_array(means)}))]
+    return [(FakeProxy("103"), altered(res, **{CLASS_MEANS: encode_array(means)}))]
 
 
 def attack_scaled_parameters(strategy, res):
-    return [(FakeProxy("103"), _with(res, parameters=_scaled_parameters(strategy, res, 1e6)))]
+    return [(FakeProxy("103"), altered(res, parameters=scaled_parameters(strategy, res, 1e6)))]
 
 
 def attack_inflated_size(strategy, res):  # 10^12 samples, counts (where sent) raised to add up
     if CLASS_COUNTS not in res.metrics:
-        return [(FakeProxy("103"), _with(res, num_examples=10**12))]
+        return [(FakeProxy("103"), altered(res, num_examples=10**12))]
     counts = np.load(io.BytesIO(res.metrics[CLASS_COUNTS]))
     counts[np.argmax(counts)] += 10**12 - counts.sum()
-    return [(FakeProxy("103"), _with(res, num_examples=10**12, **{CLASS_COUNTS: encode_array(counts)}))]
+    return [(FakeProxy("103"), altered(res, num_examples=10**12, **{CLASS_COUNTS: encode_array(counts)}))]
 
 
 def attack_overflowing_counts(strategy, res):  # int64 values that wrap around to the true total
     counts = np.load(io.BytesIO(res.metrics[CLASS_COUNTS]))
     counts[:4] += 2**62  # each still a valid int64; 4 x 2**62 = 2**64 wraps to 0 in an int64 sum
     assert counts.sum() == res.num_examples
-    return [(FakeProxy("103"), _with(res, **{CLASS_COUNTS: encode_array(counts)}))]
+    return [(FakeProxy("103"), altered(res, **{CLASS_COUNTS: encode_array(counts)}))]
 
 
 def attack_shifted_counts(strategy, res):  # the right total, the wrong classes
     counts = np.load(io.BytesIO(res.metrics[CLASS_COUNTS]))
-    return [(FakeProxy("103"), _with(res, **{CLASS_COUNTS: encode_array(np.roll(counts, 1))}))]
+    return [(FakeProxy("103"), altered(res, **{CLASS_COUNTS: encode_array(np.roll(counts, 1))}))]
 
 
 def attack_twice(strategy, res):
-    return [(FakeProxy("103"), res), (FakeProxy("103"), _with(res, parameters=_scaled_parameters(strategy, res, 5.0)))]
+    return [(FakeProxy("103"), res), (FakeProxy("103"), altered(res, parameters=scaled_parameters(strategy, res, 5.0)))]
 
 
 def attack_other_partition(strategy, res):
-    return [(FakeProxy("103"), _with(res, **{"partition-id": 0}))]
+    return [(FakeProxy("103"), altered(res, **{"partition-id": 0}))]
 
 
 def attack_not_asked(strategy, res):
@@ -161,11 +76,11 @@ def attack_not_asked(strategy, res):
 
 
 def attack_bool_loss(strategy, res):
-    return [(FakeProxy("103"), _with(res, **{"train-loss": True}))]
+    return [(FakeProxy("103"), altered(res, **{"train-loss": True}))]
 
 
 def attack_huge_text(strategy, res):  # a reason quoting it must not flood the logs or results.json
-    return [(FakeProxy("103"), _with(res, **{"train-loss": "x" * 10**6, "partition-id": "y" * 10**6}))]
+    return [(FakeProxy("103"), altered(res, **{"train-loss": "x" * 10**6, "partition-id": "y" * 10**6}))]
 
 
 def attack_malformed_blobs(strategy, res):
@@ -173,7 +88,7 @@ def attack_malformed_blobs(strategy, res):
     if not metrics and not res.parameters.tensors:  # its named arrays alone (FedAMP's models)
         metrics = {_upload_name(strategy): _pickled_array()}
     parameters = Parameters(tensors=[b"junk", 42], tensor_type="numpy.ndarray")  # not even bytes
-    return [(FakeProxy("103"), _with(res, parameters=parameters if res.parameters.tensors else None, **metrics))]
+    return [(FakeProxy("103"), altered(res, parameters=parameters if res.parameters.tensors else None, **metrics))]
 
 
 def attack_not_a_mapping(strategy, res):
@@ -224,20 +139,6 @@ ATTACKS = {f.__name__[len("attack_"):]: f for f in (
 )}
 
 
-def server_state(strategy, parameters):
-    arrays = parameters_to_ndarrays(parameters) if parameters is not None and parameters.tensors else []
-    return arrays, strategy.broadcast(2)
-
-
-def assert_same_state(a, b):
-    (arrays_a, sent_a), (arrays_b, sent_b) = a, b
-    assert len(arrays_a) == len(arrays_b) and set(sent_a) == set(sent_b)
-    for x, y in zip(arrays_a, arrays_b):
-        np.testing.assert_array_equal(x, y)
-    for key in sent_a:
-        np.testing.assert_array_equal(sent_a[key], sent_b[key])
-
-
 # fast: a method of each shape (parameters only, class statistics, anchors without parameters, named
 # uploads, a server-trained module with checked counts, FedNH's unit-ball prototypes); CI runs them all
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
@@ -278,7 +179,7 @@ def test_big_endian_arrays_are_read_as_the_same_values(tmp_path, method):
     swapped = {k: encode_array(np.load(io.BytesIO(v)).astype(np.load(io.BytesIO(v)).dtype.newbyteorder(">")))
                for k, v in res.metrics.items() if isinstance(v, bytes)}
     tensors = [encode_array(a.astype(a.dtype.newbyteorder(">"))) for a in parameters_to_ndarrays(res.parameters)]
-    replies[HOSTILE] = (proxy, _with(res, parameters=Parameters(tensors, "numpy.ndarray"), **swapped))
+    replies[HOSTILE] = (proxy, altered(res, parameters=Parameters(tensors, "numpy.ndarray"), **swapped))
     parameters, metrics = strategy.aggregate_fit(1, replies, [])
     reference = make_strategy(method, tmp_path, "native")
     reference_parameters, _ = reference.aggregate_fit(1, [honest_update(reference, p) for p in range(N)], [])
@@ -304,11 +205,13 @@ def test_the_screen_compares_class_vectors_among_clients_of_one_architecture(tmp
     strategy = make_strategy("fedsa", tmp_path, "family", model="htfe2")
     replies = [honest_update(strategy, p) for p in range(N)]
     for p in (1, 3):
-        replies[p] = (replies[p][0], _with(replies[p][1], **{CLASS_MEANS: encode_array(12 * _means(replies[p][1]))}))
+        proxy, res = replies[p]
+        replies[p] = (proxy, altered(res, **{CLASS_MEANS: encode_array(12 * class_means_of(res))}))
     _, metrics = strategy.aggregate_fit(1, replies, [])
     assert metrics["accepted"] == N
     strategy.admission.asked = {str(100 + p): p for p in range(N)}
-    replies[3] = (replies[3][0], _with(replies[3][1], **{CLASS_MEANS: encode_array(100 * _means(replies[3][1]))}))
+    proxy, res = replies[3]
+    replies[3] = (proxy, altered(res, **{CLASS_MEANS: encode_array(100 * class_means_of(res))}))
     _, metrics = strategy.aggregate_fit(2, replies, [])
     record = json.loads((tmp_path / "family" / "results.json").read_text())["rounds"][1]
     assert metrics["accepted"] == N - 1 and [d["partition"] for d in record["dropped"]] == [3]
@@ -472,7 +375,7 @@ def test_dp_prototypes_report_the_privacy_spent_each_round(tmp_path):
     rounds, held = results["rounds"], max(results["privacy"]["held_classes"].values())  # test_privacy.py checks k
     assert [r["dp_epsilon"] for r in rounds] == [prototype_epsilon(2.0, [held] * r, 1e-5) for r in (1, 2)]
     uploads = [reply for kind, _, reply in messages if kind == "fit"]
-    norms = np.linalg.norm(np.stack([_means(reply) for reply in uploads]), axis=2)
+    norms = np.linalg.norm(np.stack([class_means_of(reply) for reply in uploads]), axis=2)
     assert norms.max() > 1.0  # noise on top of the clipped vectors: not the raw means, not clipped only
     assert strategy.global_prototypes is not None and rounds[-1]["personalized_accuracy"] is not None
 
@@ -484,10 +387,10 @@ def test_fedpacs_feature_variance_is_not_screened_by_magnitude_its_head_upload_i
     strategy = make_strategy("fedpac", tmp_path, "variance")
     replies = [honest_update(strategy, p) for p in range(N)]
     proxy, res = replies[HOSTILE]
-    replies[HOSTILE] = (proxy, _with(res, **{"feature-variance": encode_array(np.array([500.0], np.float32))}))
+    replies[HOSTILE] = (proxy, altered(res, **{"feature-variance": encode_array(np.array([500.0], np.float32))}))
     _, metrics = strategy.aggregate_fit(1, replies, [])
     assert metrics["accepted"] == N
     head = np.load(io.BytesIO(res.metrics["head/0"])) * 1000
-    replies[HOSTILE] = (proxy, _with(res, **{"head/0": encode_array(head)}))
+    replies[HOSTILE] = (proxy, altered(res, **{"head/0": encode_array(head)}))
     _, metrics = strategy.aggregate_fit(2, replies, [])
     assert metrics["accepted"] == N - 1

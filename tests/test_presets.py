@@ -50,6 +50,12 @@ def test_preset_parses_into_known_keys_and_valid_settings(path):
     assert f"--run-config presets/{path.name}" in path.read_text()
 
 
+def test_no_preset_changes_the_screen():
+    """The default screen drops no honest client in any table (docs/results/screen.md): a preset that
+    widened it would weaken it for every other kind of upload in its runs."""
+    assert [p.name for p in PRESETS if "screen-factor" in parse_config_args([str(p)])] == []
+
+
 TABLES = {  # each seed paper's comparison table: its methods (baselines.md), in its order
     "fedskc-table1": ["fedavg", "fedprox", "scaffold", "fedopt", "moon", "fedproto", "fednh", "fedrcl", "fedskc"],
     "fedsc-table1": ["fedavg", "fedprox", "moon", "fedntd", "fedproto", "fednh", "fedrcl", "fedsc"],

@@ -5,9 +5,10 @@ is the one that node holds, its sizes are that partition's (:mod:`protofl.federa
 its losses finite, its parameters the shapes and dtypes the server sent, its class statistics
 well formed (:class:`~protofl.federation.wire.ClassStatistics`) and the method's named uploads
 (``upload_specs``) each there, of their shape and dtype, finite and within the payload cap; and
-when the method's own ``check_update`` accepts it. Then the round's magnitude screen (``screen-factor``) compares the
-updates with each other. Whatever is wrong, the reply is dropped with a logged reason (a record
-for results.json's ``dropped``) and the others go on without it. After the server rule,
+when the method's own ``check_update`` accepts it. Then the round's magnitude screen
+(:mod:`protofl.federation.screen`, ``screen-factor``) compares the updates with each other.
+Whatever is wrong, the reply is dropped with a logged reason (a record for results.json's
+``dropped``) and the others go on without it. After the server rule,
 :func:`output_problem` keeps a non-finite or misshapen aggregate from going out.
 """
 
@@ -25,6 +26,7 @@ from flwr.common.logger import log
 from flwr.server.client_proxy import ClientProxy
 
 from protofl.federation.partitions import KnownSizes
+from protofl.federation.screen import screen_updates
 from protofl.federation.wire import (
     COMPUTE,
     PARTITION_ID,
@@ -42,7 +44,7 @@ from protofl.federation.wire import (
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.typed_fields import is_int
 from protofl.task.models import client_architecture
-from protofl.task.robust import lower_median, outliers
+from protofl.task.train import steps_per_epoch
 
 DIVERGED_HINT = (
     "A non-finite train loss means local training diverged: lower lr, set max-grad-norm, "
@@ -93,6 +95,7 @@ class Admission:
         self.known_sizes, self.check_update, self.upload_specs = known_sizes, check_update, upload_specs
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.asked: dict[str, int] = {}  # node id -> partition, of this round's instructions
+        self.server_round = 0  # the round whose replies are being checked (a method's check_update may read it)
         self.sent_parameters: list[np.ndarray] = list(references)  # what this round's clients train from
 
     def partitions(self, results: Sequence[tuple[ClientProxy, Any]]) -> list[int]:
@@ -106,6 +109,7 @@ class Admission:
         dropped and why). A reply must come from a node asked this round, once; whatever else is
         wrong with it (``parse`` raises), the others go on without it."""
         accepted, dropped, seen = [], [], set()
+        self.server_round = server_round
         for proxy, res in results:
             partition_id = None
             try:
@@ -159,52 +163,18 @@ class Admission:
     def screen(
         self, server_round: int, updates: list[ClientUpdate]
     ) -> tuple[list[ClientUpdate], list[dict[str, Any]], dict[str, float]]:
-        """The default magnitude screen (``screen-factor``): an update whose parameter change, one
-        of whose class vectors, or one of whose named uploads (those whose spec is ``screened``) has
-        a norm above the factor times the round's lower median (for class vectors: per class, among
-        the clients of the same architecture) is dropped.
-        Returns (kept, what was dropped, the largest ratios to the median seen: how close honest
-        clients come to the bound)."""
-        factor = self.settings.screen_factor
-        reasons: dict[int, str] = {}
-        ratios: dict[str, float] = {}
-
-        def compare(what: str, key: str, members: Sequence[int], norms: Sequence[float]) -> None:
-            median = lower_median(norms)
-            if median > 0:
-                ratios[key] = max(ratios.get(key, 0.0), max(norms) / median)
-            for k, norm, outlier in zip(members, norms, outliers(norms, factor)):
-                if outlier:
-                    reasons.setdefault(updates[k].partition_id, f"{what} norm {norm:.3g} is above "
-                                       f"{factor:g} x the round's median {median:.3g}")
-
-        if len(updates) >= 2:
-            everyone = range(len(updates))
-            if self.sent_parameters and updates[0].parameters:
-                norms = [change_norm(u.parameters, self.sent_parameters) for u in updates]
-                compare("parameter change", "screen_parameter_ratio", everyone, norms)
-            groups: dict[str, list[str]] = {}  # an indexed upload (name/0, name/1, ...) is one vector
-            specs = self.upload_specs()
-            for name in updates[0].uploads:
-                if specs[name].screened:
-                    groups.setdefault(name.split("/")[0], []).append(name)
-            for group, names in groups.items():
-                norms = [math.sqrt(sum(float(np.sum(u.uploads[n].astype(np.float64) ** 2)) for n in names))
-                         for u in updates]
-                compare(f"upload {group!r}", "screen_upload_ratio", everyone, norms)
-            if updates[0].statistics is not None:  # per architecture: their feature scales differ
-                means, counts = stacked_statistics(updates)
-                row_norms = np.linalg.norm(means.astype(np.float64), axis=2)
-                model = self.settings.model
-                architecture = np.array([client_architecture(model, u.partition_id) for u in updates])
-                for name in np.unique(architecture):
-                    for c in range(means.shape[1]):
-                        holders = np.flatnonzero((counts[:, c] > 0) & (architecture == name))
-                        if len(holders) > 1:
-                            compare(f"class {c} vector", "screen_prototype_ratio", holders, row_norms[holders, c])
+        """The round's magnitude screen (:mod:`protofl.federation.screen`, ``screen-factor``).
+        Returns (kept, what was dropped, the largest ratio to its bound each kind reached: how close
+        honest clients come to it)."""
+        s = self.settings
+        findings = screen_updates(
+            updates, self.sent_parameters, {name: spec.scale for name, spec in self.upload_specs().items()},
+            lambda partition: client_architecture(s.model, partition),
+            lambda size: s.local_epochs * steps_per_epoch(size, s.batch_size, s.partial_batch), s.screen_factor,
+        )
         node = {pid: cid for cid, pid in self.asked.items()}
-        dropped = [drop(server_round, "screen", node[pid], pid, reason) for pid, reason in reasons.items()]
-        return [u for u in updates if u.partition_id not in reasons], dropped, ratios
+        dropped = [drop(server_round, "screen", node[pid], pid, reason) for pid, reason in findings.reasons.items()]
+        return [u for u in updates if u.partition_id not in findings.reasons], dropped, findings.ratios
 
 
 def output_problem(
@@ -259,10 +229,3 @@ def too_few_updates(
     elif failures:
         parts.append("See the failed clients' logs")
     return ". ".join(parts)
-
-
-def change_norm(parameters: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
-    """L2 norm of an update's change to the floating-point entries it trained from."""
-    return math.sqrt(sum(
-        float(np.sum((a.astype(np.float64) - r) ** 2)) for a, r in zip(parameters, reference) if r.dtype.kind == "f"
-    ))

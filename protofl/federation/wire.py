@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Scalar, Status
 
+from protofl.federation.screen import UploadScale
 from protofl.typed_fields import is_int, is_number
 from protofl.task.privacy import privatize_class_means
 from protofl.task.storage import NUMPY_HEADER_LOCK
@@ -115,12 +116,12 @@ class ArraySpec:
     shape: tuple[int | None, ...]
     dtypes: tuple[str, ...] = ("float32",)
     nonnegative: bool = False
-    screened: bool = True  # a named upload: compared with the round's median by the magnitude screen
+    scale: UploadScale = "round"  # a named upload: how the magnitude screen treats it (its UploadScale)
 
     @classmethod
-    def like(cls, array: np.ndarray) -> "ArraySpec":
-        """An array of ``array``'s shape and dtype."""
-        return cls(tuple(array.shape), (array.dtype.name,))
+    def like(cls, array: np.ndarray, **fields: Any) -> "ArraySpec":
+        """An array of ``array``'s shape and dtype (and the other ``fields``)."""
+        return cls(tuple(array.shape), (array.dtype.name,), **fields)
 
 
 def encode_array(array: np.ndarray) -> bytes:

@@ -4,7 +4,10 @@ The server keeps every client's latest model w_j (the initial model for a client
 from) and sends each sampled client i its own cloud model
 u_i = xi_ii w_i + sum_(j != i) xi_ij w_j, xi_ij = alpha_k A'(||w_i - w_j||^2) with the attention
 function A(x) = 1 - exp(-x / sigma), so A'(x) = exp(-x / sigma) / sigma, and xi_ii = 1 - sum_(j != i)
-xi_ij: a client weighs most the models nearest its own. Before the server has any model, the
+xi_ij: a client weighs most the models nearest its own. protofl bounds each xi_ij by 1 / n, n the
+models in u_i (:func:`attention_weights`; ``peer-weight-bound = false``: the paper's and PFLlib's
+weights): the paper's weights sum to at most 1 only for small alpha_k, and a near copy of a
+client's model got weight 1 in its cloud model. Before the server has any model, the
 client's u_i is its own model.
 
 Client: trains its own model w_i, kept on its node, with CE + (lambda / (2 alpha_k)) ||w_i - u_i||^2
@@ -42,6 +45,7 @@ class FedAMPOptions(MethodOptions):
     lambda_: float = 1.0  # key "lambda"
     sigma: float = 1.0
     proximal: Literal["squared", "pfllib"] = "squared"
+    peer_weight_bound: bool = True  # each xi_ij <= 1 / n (false: the paper's and PFLlib's weights, unbounded)
 
     statistics: ClassVar[None] = None
     keeps_model: ClassVar[KeptModel] = "trains"
@@ -57,9 +61,16 @@ class FedAMPOptions(MethodOptions):
         return False  # the models go up as named arrays; each client's u_i comes down on its own
 
 
-def attention_weights(distances: Sequence[float], alpha_k: float, sigma: float) -> tuple[np.ndarray, float]:
-    """(xi_ij for each other client j, xi_ii) from the squared distances ||w_i - w_j||^2."""
+def attention_weights(distances: Sequence[float], alpha_k: float, sigma: float,
+                      bounded: bool = True) -> tuple[np.ndarray, float]:
+    """(xi_ij for each other client j, xi_ii) from the squared distances ||w_i - w_j||^2; ``bounded``:
+    each xi_ij at most 1 / n (n the models in the cloud model, its own included), so that no peer
+    weighs more than in their plain mean and xi_ii >= 1 / n. Unbounded, a near copy of w_i (or of
+    the initial model, which the server holds for a client it has not heard from) gets
+    alpha_k / sigma (1 by default), and two copies make xi_ii negative."""
     others = np.array([alpha_k * math.exp(-d / sigma) / sigma for d in distances], np.float64)
+    if bounded:
+        others = np.minimum(others, 1.0 / (len(distances) + 1))
     return others, 1.0 - float(others.sum())
 
 
@@ -103,7 +114,7 @@ class FedAMPStrategy(PrototypeStrategy):
         own = self.client_models.get(partition_id, self.initial_model)
         others = [w for j, w in sorted(self.client_models.items()) if j != partition_id]
         xi, xi_own = attention_weights([squared_distance(own, w) for w in others], self.options.alpha_k,
-                                       self.options.sigma)
+                                       self.options.sigma, self.options.peer_weight_bound)
         cloud = [xi_own * a.astype(np.float64) for a in own]
         for weight, w in zip(xi, others):
             cloud = [c + weight * a for c, a in zip(cloud, w)]

@@ -117,7 +117,7 @@ class FedGenStrategy(FedAvgStrategy):
         self.label_counts: dict[str, np.ndarray] = {}  # each partition's latest, by partition id
 
     def upload_specs(self) -> dict[str, ArraySpec]:
-        return {LABEL_COUNTS: ArraySpec((self.num_classes,), ("int64",), nonnegative=True)}
+        return {LABEL_COUNTS: ArraySpec((self.num_classes,), ("int64",), nonnegative=True, scale="checked")}
 
     def check_update(self, update: ClientUpdate) -> None:
         counts = update.uploads[LABEL_COUNTS]

@@ -15,8 +15,9 @@ long; a run's own length would make an extended run differ from a longer one); b
 they are. A matrix whose
 singular values but the smallest do not reach T keeps all of them (HtFLlib's would send zeros).
 
-Server: the mentees averaged, unweighted (HtFLlib's), compressed again with the round's T: that is
-the mentee every client receives. The arrays travel as the low-rank matrices they are, uncompressed
+Server: an upload whose matrices hold more ranks than T keeps is dropped (:func:`within_rank`); the
+mentees averaged, unweighted (HtFLlib's), compressed again with the round's T: that is the mentee
+every client receives. The arrays travel as the low-rank matrices they are, uncompressed
 on the wire (the same numbers as HtFLlib's factors give). GM: the mentee on the global test set. PM:
 the client's mentor.
 """
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.federation.server import ClientUpdate
-from protofl.federation.wire import server_round
+from protofl.federation.wire import PayloadError, server_round
 from protofl.strategies.fedavg import FedAvgStrategy
 from protofl.strategies.fml import SHARED_LOSS, SecondModel, SecondModelClient, mean_kl
 from protofl.task.models import SeededDraws
@@ -81,6 +82,23 @@ def low_rank(array: np.ndarray, energy: float) -> np.ndarray:
     return ((u[..., :rank] * s[..., None, :rank]) @ vt[..., :rank, :]).astype(array.dtype)
 
 
+def within_rank(array: np.ndarray, energy: float, slack: float = 1e-4) -> bool:
+    """Whether ``array`` can be what :func:`low_rank` makes of some matrix at ``energy``: with r its
+    rank (one for every matrix of the array; a rank holding below 1e-10 of the energy is float32's
+    rounding, about 1e-14), its first r - 1 ranks hold at most ``energy`` of what those r and
+    min(m, n) - r more, none above the r-th, can hold (``slack``: the rounding of its singular
+    values)."""
+    if array.ndim < 2 or array.shape[0] <= 1:
+        return True
+    singular = np.linalg.svd(array.astype(np.float64), compute_uv=False)
+    power = (singular**2).reshape(-1, singular.shape[-1]).sum(axis=0)  # each rank's energy, all matrices
+    if power.sum() == 0:
+        return True
+    rank = int(np.flatnonzero(power > 1e-10 * power.sum())[-1]) + 1
+    most = power[:rank].sum() + (len(power) - rank) * power[rank - 1]  # the original's energy, at most
+    return bool(power[: rank - 1].sum() <= energy * most * (1 + slack))
+
+
 def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: torch.Tensor, shared_logits: torch.Tensor,
                labels: torch.Tensor, hidden_map: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(L, the mentee's part of it): Eq. 3-6 as HtFLlib sums the mentor's and the mentee's losses."""
@@ -95,6 +113,14 @@ def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: to
 class FedKDStrategy(FedAvgStrategy):
     options_class = FedKDOptions
     loss_metrics = (SHARED_LOSS,)
+
+    def check_update(self, update: ClientUpdate) -> None:
+        """Each weight matrix of the mentee must be compressed with the round's energy (Eq. 7-8)."""
+        energy = self.options.energy(self.admission.server_round)
+        for i, (array, trained) in enumerate(zip(update.parameters, self.trained_entries)):
+            if trained and not within_rank(array, energy):
+                raise PayloadError(f"parameter array {i} has a rank above what the round's energy {energy:g} keeps "
+                                   "(Eq. 7-8)")
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         mean = super().aggregate_updates(server_round, updates)

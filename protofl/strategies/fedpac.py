@@ -17,9 +17,11 @@ mean over the clients holding each class (Eq. 6); for each client i of the round
 sum_j a_ij head_j, a_i the minimiser of a^T (diag(V) + D_i) a over the simplex,
 D_i[j, k] = sum_c (h_i[c] - h_j[c]) . (h_i[c] - h_k[c]) (Eq. 10-11), solved exactly
 (:func:`~protofl.task.quadratic.simplex_minimum`, no solver dependency; PFLlib calls cvxpy), and
-weights below 1e-3 zeroed (the code's; not renormalised). Each client receives its combined head with
-the next message, with the round it was made in: a client whose last training is not that round's
-(its update was dropped since) keeps its own head.
+weights below 1e-3 zeroed (the code's; not renormalised). V_j is not screened by magnitude: honest
+ones span orders of magnitude, and a larger one only lowers client j's own weight, a_j^2 V_j being at
+most the objective at the client's own head, V_i (a 1e30 one gets 0; the solver is scale-free).
+Each client receives its combined head with the next message, with the round it was made in: a
+client whose last training is not that round's (its update was dropped since) keeps its own head.
 PM: the client's head on the global body. GM: the global body with the initial head.
 """
 
@@ -99,9 +101,9 @@ class FedPACStrategy(BodyAveraging):
     def upload_specs(self) -> dict[str, ArraySpec]:
         dtype = self.head_initial[0].dtype
         return ({name: ArraySpec.like(a) for name, a in indexed(HEAD_UPLOAD, self.head_initial).items()}
-                # honest V_i span orders of magnitude (one class or ten), and a large one only lowers
-                # the client's own weight in the others' heads: not screened by magnitude
-                | {VARIANCE: ArraySpec((1,), (str(dtype),), nonnegative=True, screened=False),
+                # honest V_i span orders of magnitude (one class or ten); a larger one only lowers
+                # its client's own weight in the others' heads
+                | {VARIANCE: ArraySpec((1,), (str(dtype),), nonnegative=True, scale="bounded"),
                    CENTROIDS: ArraySpec((self.num_classes, self.model.feature_dim), (str(dtype),))})
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:

@@ -34,8 +34,9 @@ import numpy as np
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy
-from protofl.federation.wire import ArraySpec, indexed, server_round
+from protofl.federation.wire import ArraySpec, PayloadError, indexed, server_round
 from protofl.settings import MethodOptions
+from protofl.task.train import steps_per_epoch
 
 CONTROL, CONTROL_DELTA = "control", "control-delta"  # c (broadcast), Delta c (uploaded), per parameter
 APPLIED = "control-applied"  # to each client: the last round whose update of its the server applied
@@ -72,6 +73,14 @@ def client_control_update(client_control: list[np.ndarray], control: list[np.nda
             for ci, c, x, y in zip(client_control, control, start, trained)]
 
 
+def control_delta(control: list[np.ndarray], start: list[np.ndarray], trained: list[np.ndarray], steps: float,
+                  lr: float) -> list[np.ndarray]:
+    """Delta c = c_i+ - c_i = (x - y) / (K eta) - c (lines 12-13): whatever c_i was, it follows from the
+    parameters y trained from x, the steps and the lr; in float64, each in c's dtype. The client
+    sends it, the server computes it again from the same values (:meth:`SCAFFOLDStrategy.check_update`)."""
+    return [((x.astype(np.float64) - y) / (steps * lr) - c).astype(c.dtype) for c, x, y in zip(control, start, trained)]
+
+
 class SCAFFOLDStrategy(PrototypeStrategy):
     options_class = SCAFFOLDOptions
     state_fields = ("control", "applied")
@@ -90,7 +99,23 @@ class SCAFFOLDStrategy(PrototypeStrategy):
         return {APPLIED: np.array([self.applied.get(partition_id, 0)], np.int64)}
 
     def upload_specs(self) -> dict[str, ArraySpec]:
-        return {name: ArraySpec.like(c) for name, c in indexed(CONTROL_DELTA, self.control).items()}
+        # its scale varies 100-fold between honest clients (a client of few steps reports its gradient,
+        # one of many the mean of a trajectory): it is checked against the parameters instead
+        return {name: ArraySpec.like(c, scale="checked") for name, c in indexed(CONTROL_DELTA, self.control).items()}
+
+    def check_update(self, update: ClientUpdate) -> None:
+        """Delta c must be what the update's parameters make it (:func:`control_delta`), to the
+        rounding of its dtype: a client can send no other control variate than its parameters'."""
+        s = self.settings
+        steps = step_multipliers(s.local_epochs * steps_per_epoch(update.num_examples, s.batch_size, s.partial_batch),
+                                 s.momentum)  # K, as the client counts its steps
+        sent, trained = zip(*[(x, y) for x, y, t in zip(self.admission.sent_parameters, update.parameters,
+                                                        self.trained_entries) if t])
+        expected = control_delta(self.control, sent, trained, steps, s.round_lr(self.admission.server_round))
+        for i, (name, want) in enumerate(zip(indexed(CONTROL_DELTA, self.control), expected)):
+            got = update.uploads[name]
+            if not (np.abs(got.astype(np.float64) - want) <= np.spacing(np.abs(want))).all():
+                raise PayloadError(f"{name!r} is not the control delta its parameters make: (x - y) / (K lr) - c")
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         uniform = [1.0] * len(updates)
@@ -145,8 +170,7 @@ class SCAFFOLDClient(PrototypeClient):
         control = [c.cpu().numpy() for c in self.control]
         trained = [p.detach().cpu().numpy() for _, p in self.trained]
         updated = client_control_update(self.client_control, control, self.start, trained, steps, self.lr)
-        self.control_delta = [(new.astype(np.float64) - old).astype(new.dtype)
-                              for new, old in zip(updated, self.client_control)]
+        self.control_delta = control_delta(control, self.start, trained, steps, self.lr)
         self.local_state.update({PENDING_CONTROL + n: c for (n, _), c in zip(self.trained, updated)})
         self.local_state[PENDING_ROUND] = np.array([self.round], np.int64)
         return {}

@@ -1,4 +1,4 @@
-"""Robust aggregation and the magnitude screen (pure numpy, no Flower).
+"""Robust aggregation rules (pure numpy, no Flower).
 
 Rules for averaging K clients' vectors (``aggregation`` for parameters, ``prototype-aggregation``
 for each class's prototypes, anchors' inputs and knowledge vectors):
@@ -11,8 +11,8 @@ for each class's prototypes, anchors' inputs and knowledge vectors):
   the method's weighted mean (Sun et al., 2019, with an adaptive bound). The centre of parameters
   is the global model the clients trained from, of prototypes the class's coordinate-wise median.
 
-:func:`outliers` is the default screen: a client whose norm exceeds ``factor`` times the cohort's
-lower median is dropped before any rule sees it.
+The default screen, which drops an update before any rule sees it, is
+:mod:`protofl.federation.screen`.
 """
 
 from __future__ import annotations
@@ -25,23 +25,6 @@ from protofl.task.weights import weighted_average
 
 RobustRule = Literal["method", "median", "trimmed-mean", "norm-clip"]
 ROBUST_RULES = get_args(RobustRule)
-
-
-def lower_median(values: Sequence[float]) -> float:
-    """The lower of the two middle values (the smaller one for two values): with fewer than half
-    the values hostile, it is an honest one."""
-    ordered = np.sort(np.asarray(values, dtype=np.float64))
-    return float(ordered[(len(ordered) - 1) // 2])
-
-
-def outliers(norms: Sequence[float], factor: float) -> np.ndarray:
-    """Which of the norms exceed ``factor`` x their lower median (none when ``factor`` is 0, or
-    when that median is 0: nothing to compare with)."""
-    norms = np.asarray(norms, dtype=np.float64)
-    median = lower_median(norms) if len(norms) else 0.0
-    if factor <= 0 or median <= 0:
-        return np.zeros(len(norms), dtype=bool)
-    return norms > factor * median
 
 
 def trimmed_mean(stack: np.ndarray, trim_fraction: float) -> np.ndarray:
