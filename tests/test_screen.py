@@ -58,9 +58,9 @@ def test_a_norm_is_dropped_above_the_factor_times_its_reference_and_its_allowanc
     assert findings.reasons == off.reasons == {} and off.ratios == {"ratio": 1e9}
 
 
-def test_every_class_vector_is_compared_with_the_clients_median_norms():
-    """Medians of the held classes' norms: 1.5, 3 and 25.5, the lower median 3. Class 1 of client 2
-    (norm 50) is above 10 x 3, though it is that class's only holder."""
+def test_every_class_vector_is_compared_with_the_clients_largest_norms():
+    """The clients' largest held-class norms: 2, 4 and 50, their lower median 4. Class 1 of client 2
+    (norm 50) is above 10 x 4, though it is that class's only holder."""
     def update(partition, norms):
         means = np.zeros((3, 2))
         means[:, 0] = norms
@@ -70,8 +70,8 @@ def test_every_class_vector_is_compared_with_the_clients_median_norms():
     findings = ScreenFindings(10.0)
     updates = [update(0, [1.0, 0.0, 2.0]), update(1, [2.0, 0.0, 4.0]), update(2, [1.0, 50.0, 0.0])]
     screen_class_vectors(findings, updates)
-    assert findings.reasons == {2: "class 1 vector norm 50 is above 10 x the round's median 3"}
-    assert findings.ratios == {"screen_prototype_ratio": pytest.approx(50 / 3)}
+    assert findings.reasons == {2: "class 1 vector norm 50 is above 10 x the round's median 4"}
+    assert findings.ratios == {"screen_prototype_ratio": pytest.approx(50 / 4)}
 
 
 # --- class vectors ------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ What "larger" means depends on how each kind of upload legitimately scales:
   honest clients, and so did their changes.
 - **class vectors** (prototypes, per-class mean logits, knowledge): each held class's vector
   against one reference per architecture, the lower median over that architecture's clients of
-  each one's median held-class norm: one vote per client, so fewer than half of them hostile
-  leave it honest, and a class that only one client holds is bounded like every other. A
-  class's own holders are not compared with each other: a client that holds a class once has
-  a weak mean for it, and honest mean logits of a class differed 32-fold between two holders.
+  each one's largest held-class norm (the class it knows best): one vote per client, so fewer
+  than half of them hostile leave it honest, and a class that only one client holds is bounded
+  like every other. A class's own holders are not compared with each other, nor a client's
+  classes with its own median: a class a client barely holds has a weak mean (honest mean logits
+  of one class differed 32-fold between its two holders), and under Dirichlet(0.05) a client's
+  confident class reached 8 times the clients' median of their median norms.
 - **named uploads** (``upload_specs``), by the :data:`UploadScale` their spec declares.
 
 A dropped update's reason names the kind, its norm and the bound; each kind's largest ratio to its
@@ -52,8 +54,9 @@ screen treats it:
 - ``"checked"``: what it must be follows from what the server knows, and the method's
   ``check_update`` compares it (FedGen's label counts against the partition's, SCAFFOLD's control
   delta against the parameters and the step count): not compared by norm, whatever its scale;
-- ``"bounded"``: the method's rule bounds what it can do, whatever its size (FedPAC's feature
-  variance): not compared by norm.
+- ``"bounded"``: bounded whatever it holds, by its values (CReFF's mask of classes, booleans) or by
+  the method's rule (FedPAC's feature variance: a larger one lowers only its client's own weight):
+  not compared by norm.
 """
 
 
@@ -125,12 +128,12 @@ def screen_updates(
 
 def screen_class_vectors(findings: ScreenFindings, updates: Sequence[ScreenedUpdate]) -> None:
     """Every held class's vector of clients of one architecture against ``screen-factor`` x the
-    lower median of the clients' median held-class norms (a single client: nothing to compare)."""
+    lower median of the clients' largest held-class norms (a single client: nothing to compare)."""
     if len(updates) < 2:
         return
     norms = [np.linalg.norm(u.statistics.means.astype(np.float64), axis=1) for u in updates]
     held = [u.statistics.counts > 0 for u in updates]
-    reference = lower_median([float(np.median(n[h])) for n, h in zip(norms, held)])
+    reference = lower_median([float(n[h].max()) for n, h in zip(norms, held)])
     for update, n, h in zip(updates, norms, held):
         worst = int(np.argmax(np.where(h, n, -1.0)))
         findings.compare(f"class {worst} vector", "screen_prototype_ratio", [update.partition_id], [float(n[worst])],

@@ -176,7 +176,7 @@ class CReFFStrategy(FedAvgStrategy):
         C = self.num_classes
         specs = {name: ArraySpec((C, *p.shape), (p.dtype.name,))
                  for name, p in indexed(CLASS_GRADIENTS, self.classifier).items()}
-        return specs | {GRADIENT_CLASSES: ArraySpec((C,), ("bool",))}
+        return specs | {GRADIENT_CLASSES: ArraySpec((C,), ("bool",), scale="bounded")}  # booleans: no magnitude
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
         parameters = super().aggregate_updates(server_round, updates)
