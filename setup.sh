@@ -62,5 +62,10 @@ options.backend.client-resources.num-cpus = 1
 options.backend.client-resources.num-gpus = 0.0
 TOML
 fi
+# A local SuperLink still serving these ports from an earlier clone at this path started from a
+# directory that is gone: every run it takes dies before round 1 (`import ray` needs the working
+# directory). It is ended here; one of another environment is named, with how to end it.
+FLWR_HOME="$root/.flwr" FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$http_port FLWR_LOCAL_CONTROL_API_PORT=$control_port \
+  .venv/bin/python -m protofl.local_superlink || true
 echo "protofl is set up: run 'source .venv/bin/activate', then 'flwr run .' or 'pytest'" \
      "(this checkout's local SuperLink: 127.0.0.1:$http_port, control API $control_port)."

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +23,9 @@ import native  # noqa: E402
 
 
 def flwr_run(home: Path, args: list[str], timeout: int, env: dict[str, str] | None = None) -> float:
-    """Seconds that ``flwr run <ROOT> <args> --stream`` took; raises with its output if it failed."""
+    """Seconds that ``protofl run <ROOT> <args>`` took; raises with its output if the run failed."""
     started = time.perf_counter()
-    run = native.flwr(home, ["run", str(ROOT), *args, "--stream"], timeout, env)
+    run = native.protofl_run(home, [str(ROOT), *args], timeout, env)
     if run.returncode != 0:
         raise RuntimeError(run.stdout[-3000:] + run.stderr[-3000:])
     return time.perf_counter() - started
@@ -40,7 +39,7 @@ def simulation(work: Path, run_config: str, nodes: int, timeout: int) -> float:
     try:
         return flwr_run(home, ["--run-config", run_config, "--federation-config", federation], timeout, ports)
     finally:
-        subprocess.run(["pkill", "-f", str(home)], check=False)  # the managed local SuperLink
+        native.kill_trees(native.pids_with_argument(str(home)))  # the managed local SuperLink
 
 
 def _without_cache_dir(command: list[str]) -> list[str]:

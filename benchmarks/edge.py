@@ -44,7 +44,7 @@ def one_run(work: Path, rounds: int, through_edge: bool) -> list[float]:
             native.start_federation(deployment, native.load_compose("tls", "auth"), link, nodes,
                                     before_nodes=lambda: native.register_keys(home, keys))
         run_config = f"method='fedproto' num-server-rounds={rounds} output-dir='{work}' run-name='run'"
-        run = native.flwr(home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config], 900)
+        run = native.protofl_run(home, [str(ROOT), "deployment", "--run-config", run_config], 900)
         if run.returncode != 0:
             raise RuntimeError(run.stdout[-3000:] + run.stderr[-3000:])
     finally:

@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import edge
 import native
+from protofl.report import TIMING_FIELDS, rounds_without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_NODES = 2
@@ -59,8 +60,6 @@ ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
 # (docker-compose.yml's header, docs/deployment/compose.md) passes it; every run below adds to it
 DEMO_RUN_CONFIG = f"round-timeout={ROUND_TIMEOUT}"
 RUNS = "/app/protofl-runs"  # the ServerApp's output-dir in superexec-serverapp (the results volume)
-# what may differ between an interrupted run and one that was not (as in tests/test_resume.py)
-TIMING = {"seconds", "fit_seconds", "server_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 
 
 def wait_until_ready(home: Path, timeout: float = 180) -> None:
@@ -248,10 +247,6 @@ def finished(results: dict[str, Any] | None) -> bool:
     return results is not None and "total_seconds" in results
 
 
-def without_timing(results: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
-
-
 def node_fault(home: Path, deployment: Deployment) -> None:
     """A SuperNode crashes mid-round: it comes back by itself, rejoins, and the run finishes."""
     name, rounds, node = "node-fault", 6, "supernode-1"  # partition 0
@@ -317,7 +312,7 @@ def serverapp_fault(home: Path, deployment: Deployment) -> None:
     resumed_seconds = time.monotonic() - interrupted
     flwr_run(home, f"{config} run-name='{reference}'")
     whole = deployment.results(reference)
-    got, want = without_timing(resumed), without_timing(whole)
+    got, want = rounds_without_timing(resumed), rounds_without_timing(whole)
     if not [r["round"] for r in got] == [r["round"] for r in want] == list(range(1, rounds + 1)):
         sys.exit(f"rounds {[r['round'] for r in got]} after the resume, {[r['round'] for r in want]} without faults")
     differences = [f"round {a['round']}: {key}: resumed {a.get(key)!r}, uninterrupted {b.get(key)!r}"
@@ -327,7 +322,7 @@ def serverapp_fault(home: Path, deployment: Deployment) -> None:
     print(f"ServerApp fault: superexec-serverapp crashed after round {max(recorded(before))} (checkpoint of round "
           f"{max(resumed['resumed_after'])}), running again {back:.1f} s later; superexec-clientapp-1 re-created; "
           f"resume=true finished the run in {resumed_seconds:.0f} s; its {rounds} rounds equal {reference}'s "
-          f"but for {', '.join(sorted(TIMING))} ({time.monotonic() - started:.0f} s in all)")
+          f"but for {', '.join(sorted(TIMING_FIELDS))} ({time.monotonic() - started:.0f} s in all)")
 
 
 def faults(home: Path, compose: list[str]) -> None:
@@ -396,4 +391,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as failure:  # a failed check: its first line, marked for .ci/run's summary
+        if isinstance(failure.code, str):
+            print(f"compose-e2e: FAIL: {failure.code.splitlines()[0]}", file=sys.stderr, flush=True)
+        raise

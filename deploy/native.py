@@ -114,6 +114,14 @@ def flwr(home: Path, args: list[str], timeout: float,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def protofl_run(home: Path, args: list[str], timeout: float,
+                env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """This environment's ``protofl run <args>`` (`flwr run --stream`, exiting 0 only for a completed
+    run) with ``home`` as its Flower home (output captured)."""
+    return subprocess.run([str(BIN / "protofl"), "run", *args], env=environment() | dict(env or {}) | {
+        "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=timeout)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -1,5 +1,6 @@
-"""The ``protofl`` command: ``protofl --version``, and ``protofl new <dir>``, which writes a Flower
-app directory for the installed package.
+"""The ``protofl`` command: ``protofl --version``; ``protofl new <dir>``, which writes a Flower
+app directory for the installed package; ``protofl run``, `flwr run --stream` whose exit status is
+the run's (:mod:`protofl.run_command`).
 
 ``flwr run`` runs an app directory: a ``pyproject.toml`` that names the ServerApp and ClientApp and
 carries the default run config. A checkout of protofl is one; a pip-installed protofl is not, so
@@ -116,10 +117,17 @@ def new_app(directory: Path, force: bool = False) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="protofl", description="protofl: prototype-based federated learning on Flower.",
-        epilog="Run an app directory with: flwr run <dir> --stream",
+        epilog="Run an app directory with: flwr run <dir> --stream (or protofl run <dir>, for scripts)",
     )
     parser.add_argument("--version", action="version", version=f"protofl {protofl.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command")
+    commands.add_parser("run", add_help=False, help="`flwr run ... --stream`, exiting with the run's status "
+                        "(0 only for a completed run); `protofl run --help`")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        from protofl import run_command
+
+        return run_command.main(argv[1:])
     new = commands.add_parser(
         "new", help="write a Flower app directory (pyproject.toml) that runs the installed protofl",
         description="Write <dir>/pyproject.toml: protofl's ServerApp and ClientApp and the default run config, "

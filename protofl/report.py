@@ -104,6 +104,16 @@ def summarize(rounds: Iterable[dict[str, Any]], key: str) -> dict[str, Any] | No
 RUN_FILES = ("results.json", "metrics.csv", "accuracy.png")
 
 
+# The round-record fields that are clocks, and the checkpoint's size (it holds them): all two runs of
+# the same code and config may differ in (the fixtures, resume and the compose demo compare the rest).
+TIMING_FIELDS = frozenset({"seconds", "fit_seconds", "server_seconds", "checkpoint_seconds", "checkpoint_bytes"})
+
+
+def rounds_without_timing(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """results.json's round records without :data:`TIMING_FIELDS`."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in results["rounds"]]
+
+
 class RunRecorder:
     """Collects per-round fields and writes the run's files to ``directory``; sends the rounds,
     the run config and the files to the run's trackers (``tracking``), when it has any."""

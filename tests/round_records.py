@@ -24,14 +24,14 @@ import typing
 from pathlib import Path
 from unittest import mock
 
+from protofl.report import rounds_without_timing
+
 TESTS = Path(__file__).resolve().parent
 FIXTURE = TESTS / "fixtures" / "round_records.json"
 # no autocast (bfloat16 where a CPU has it natively) and NCHW: the computation is the same everywhere
 RUN = {"dataset": "digits", "num-server-rounds": 3, "local-epochs": 1, "global-test-pm-per-class": 10,
        "amp": "off", "channels-last": False}
 NODES = 3
-# what differs between two runs of the same code: clocks, and the checkpoint's size (it holds them)
-TIMING = {"seconds", "fit_seconds", "server_seconds", "checkpoint_seconds", "checkpoint_bytes"}
 # the template's switches on the server side (discovery, admission, aggregation, evaluation)
 TEMPLATE_SWITCHES = {
     "evaluation-message=evaluate": {"method": "fedproto", "evaluation-message": "evaluate"},
@@ -117,7 +117,7 @@ def round_records(case: dict, output_dir: Path) -> list[dict]:
         run_in_process(RUN | case | {"output-dir": str(output_dir), "run-name": "run"}, num_nodes=NODES)
     results = json.loads((output_dir / "run" / "results.json").read_text())
     assert "stopped" not in results, results["stopped"]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
+    return rounds_without_timing(results)
 
 
 def to_record(names: list[str], recorded: dict, generated: dict) -> list[str]:

@@ -30,9 +30,9 @@ RUN_TIMEOUT = 420
 
 def _run_fedproto(tmp_path, cli_home, name, extra="", method="fedproto"):
     run_config = f"method='{method}' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'{extra}"
-    run = native.flwr(cli_home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config],
-                      timeout=RUN_TIMEOUT)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = native.protofl_run(cli_home, [str(ROOT), "deployment", "--run-config", run_config], timeout=RUN_TIMEOUT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]  # a remote run that completed
+    assert run.stdout.splitlines()[-1].endswith(" finished:completed")
     return json.loads((tmp_path / name / "results.json").read_text())
 
 
@@ -259,3 +259,28 @@ def test_supernodes_in_their_own_network_namespaces(tmp_path, network, deploymen
     for veth, start in zip(network.veths, before):
         crossed = network.traffic_bytes(veth) - start
         assert crossed > 2 * 10 * 512 * 4, f"{veth}: only {crossed} bytes crossed the interface"
+
+
+def test_a_run_whose_clientapps_cannot_load_their_data_fails_with_their_cause(tmp_path, deployment):
+    """Each SuperNode's ``data-dir`` is an empty directory, while the ServerApp has the data set:
+    `protofl run` against this remote SuperLink exits 1, its last line the ClientApps' error."""
+    from fakes import write_cifar
+
+    (tmp_path / "cifar").mkdir()
+    (tmp_path / "node-data").mkdir()
+    write_cifar(tmp_path / "cifar", 10, [16] * 5, 20)  # the five training batches of torchvision's layout
+    compose = native.load_compose()
+    for i in range(1, NUM_NODES + 1):
+        command = compose["services"][f"supernode-{i}"]["command"]
+        command[command.index("--node-config") + 1] += f" data-dir=\"{tmp_path / 'node-data'}\""
+    link = ("127.0.0.1", native.free_port())
+    nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
+    native.start_federation(deployment, compose, link, nodes)
+    cli_home = native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}")
+    run_config = (f"dataset='cifar10' data-dir='{tmp_path / 'cifar'}' num-server-rounds=2 output-dir='{tmp_path}' "
+                  "run-name='no-data'")
+    run = native.protofl_run(cli_home, [str(ROOT), "deployment", "--run-config", run_config], timeout=RUN_TIMEOUT)
+    last = run.stdout.strip().splitlines()[-1]
+    stopped = json.loads((tmp_path / "no-data" / "results.json").read_text())["stopped"]
+    assert run.returncode == 1 and last.endswith(f"finished:failed: {stopped}"), run.stdout[-3000:]
+    assert f"{tmp_path / 'node-data'}" in stopped, stopped

@@ -72,8 +72,8 @@ def test_a_run_whose_serverapp_and_one_supernode_die_resumes_to_the_same_results
         deployment.start(name, native.service_command(compose, name, host, port, addresses), None,
                          native.service_environment(compose, name))
 
-    resumed = native.flwr(home, ["run", str(ROOT), "deployment", "--stream", "--run-config", config + " resume=true"],
-                          timeout=500)
+    resumed = native.protofl_run(home, [str(ROOT), "deployment", "--run-config", config + " resume=true"],
+                                 timeout=500)
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0 and "resuming" in output, output[-4000:]
 

@@ -98,8 +98,7 @@ def test_an_oversized_body_is_refused_at_the_edge(federation):
 def test_supernodes_and_the_operator_run_through_the_edge(federation):
     operator, tmp = federation["operator"], federation["tmp"]
     run_config = f"method='fedproto' num-server-rounds=2 output-dir='{tmp}' run-name='edge'"
-    run = native.flwr(operator, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config],
-                      timeout=RUN_TIMEOUT)
+    run = native.protofl_run(operator, [str(ROOT), "deployment", "--run-config", run_config], timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tmp / "edge" / "results.json").read_text())
     native.check_fedproto_results(results, NUM_NODES)  # both nodes trained, through the edge

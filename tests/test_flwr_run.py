@@ -1,22 +1,25 @@
-"""`flwr run .` end to end, in a subprocess with its own Flower home and ports."""
+"""`flwr run .` and `protofl run .` end to end, in a subprocess with its own Flower home and ports."""
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from native import free_port, kill_trees, pids_with_argument
+from native import free_port, kill_trees, pids_with_argument, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def flwr_command(tmp_path, run_config, name="e2e"):
-    """(command, environment) of `flwr run . --stream` with ``run_config``, its own Flower home
-    (``tmp_path/flwr-home``, which names every process it starts) and ports."""
+def flwr_command(tmp_path, run_config, name="e2e", runner="flwr"):
+    """(command, environment) of `flwr run . --stream` (or ``runner="protofl"``: `protofl run`) with
+    ``run_config``, its own Flower home (``tmp_path/flwr-home``, which names every process it starts)
+    and ports."""
     bin_dir = Path(sys.executable).parent  # flwr spawns flower-superlink etc. from PATH
     env = os.environ | {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -26,24 +29,25 @@ def flwr_command(tmp_path, run_config, name="e2e"):
         "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
     }
     command = [
-        str(bin_dir / "flwr"), "run", str(ROOT), "--stream",
+        str(bin_dir / runner), "run", str(ROOT), "--stream",
         "--run-config", f"{run_config} output-dir='{tmp_path}' run-name='{name}'",
         "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
     ]
     return command, env
 
 
-def flwr_run(tmp_path, run_config, name="e2e", extra_env=None, runs=1):
-    """`flwr run . --stream` with ``run_config`` (and ``extra_env``), ``runs`` times on one local
-    SuperLink: the finished process (output captured), or with ``runs`` > 1 (the finished
-    processes, and what `flwr ls --format json` printed after them)."""
-    command, env = flwr_command(tmp_path, run_config, name)
+def flwr_run(tmp_path, run_config, name="e2e", extra_env=None, runs=1, runner="flwr"):
+    """`flwr run . --stream` (or `protofl run`) with ``run_config`` (and ``extra_env``), ``runs``
+    times on one local SuperLink: the finished process (output captured), or with ``runs`` > 1
+    (the finished processes, and what `flwr ls --format json` printed after them)."""
+    command, env = flwr_command(tmp_path, run_config, name, runner)
     env |= extra_env or {}
     home = env["FLWR_HOME"]
     try:
         done = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=540) for _ in range(runs)]
         if runs > 1:
-            listed = subprocess.run([command[0], "ls", "--format", "json"], env=env, capture_output=True, text=True,
+            flwr = str(Path(sys.executable).parent / "flwr")
+            listed = subprocess.run([flwr, "ls", "--format", "json"], env=env, capture_output=True, text=True,
                                     timeout=60, check=True)
             return done, listed.stdout
     finally:
@@ -54,11 +58,16 @@ def flwr_run(tmp_path, run_config, name="e2e", extra_env=None, runs=1):
 
 def test_a_diverged_run_and_a_refused_start_end_failed_with_one_line_and_no_traceback(tmp_path):
     """The second run asks for the first one's run directory without resume=true: refused at its
-    start. Both end failed in `flwr ls`, each with its one line as the reason, and the check that
-    docs/user-guide/running.md gives scripts fails."""
-    (diverged, refused), listed = flwr_run(tmp_path, "method='fedavg' num-server-rounds=3 lr=1e12", runs=2)
+    start. Both end failed in `flwr ls`, each with its one line as the reason; `protofl run` exits
+    1 for each, its last line that reason, and the check that docs/user-guide/running.md gives
+    scripts fails."""
+    (diverged, refused), listed = flwr_run(tmp_path, "method='fedavg' num-server-rounds=3 lr=1e12", runs=2,
+                                           runner="protofl")
     results = json.loads((tmp_path / "e2e" / "results.json").read_text())
     assert results["stopped"].startswith("round 1: 0 of 3 client updates usable")
+    assert diverged.returncode == 1 and re.fullmatch(
+        rf"protofl run: run \d+ finished:failed: {re.escape(results['stopped'])}", diverged.stdout.splitlines()[-1])
+    assert refused.returncode == 1 and "resume=true continues it" in refused.stdout.splitlines()[-1]
     assert f"protofl: the run stopped. {results['stopped']}" in diverged.stdout
     assert f"results written to {tmp_path / 'e2e'}" in diverged.stdout
     assert "protofl: the run cannot start. " in refused.stdout and "resume=true continues it" in refused.stdout
@@ -111,3 +120,72 @@ def test_two_checkouts_run_at_once_each_on_its_own_superlink_with_its_own_code(t
         assert f"protofl checkout: {other}" not in output[name]
         assert json.loads((tmp_path / "runs" / name / "results.json").read_text())["rounds"]
     assert not pids_with_argument(str(tmp_path))
+
+
+def last_line(output: str) -> str:
+    return output.strip().splitlines()[-1]
+
+
+def test_protofl_run_completes_on_busy_cores_and_ctrl_c_stops_the_run_on_the_superlink(tmp_path):
+    """While twice as many busy loops as cores run, `protofl run` of two rounds either completes
+    (exit 0) or fails with one last line naming its status and cause. Then Ctrl-C in a long run,
+    after its first round: `protofl run` exits 130 and the SuperLink has the run stopped."""
+    command, env = flwr_command(tmp_path, "method='fedavg' num-server-rounds=2", runner="protofl")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
+    try:
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+        finally:
+            for process in busy:
+                process.kill()
+                process.wait()
+        assert done.returncode == 0 and re.fullmatch(r"protofl run: run \d+ finished:completed", last_line(done.stdout)) or (
+            done.returncode == 1 and re.fullmatch(r"protofl run: run \d+ finished:failed: \S.*", last_line(done.stdout))), done
+        if done.returncode:
+            pytest.xfail(f"the busy run failed, with its cause: {last_line(done.stdout)}")
+        long_command, _ = flwr_command(tmp_path, "method='fedavg' num-server-rounds=200", "long", "protofl")
+        long = subprocess.Popen(long_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = ""
+        deadline = time.monotonic() + 300
+        while "round 1: GM" not in output and time.monotonic() < deadline and long.poll() is None:
+            output += long.stdout.readline()
+        long.send_signal(signal.SIGINT)
+        output += long.communicate(timeout=120)[0]
+        run_id = re.search(r"Successfully started run (\d+)", output).group(1)
+        assert long.returncode == 130 and last_line(output) == f"protofl run: stopped run {run_id} (interrupted)", output
+        listed = subprocess.run([command[0].replace("protofl", "flwr"), "ls", "--run-id", run_id, "--format", "json"],
+                                env=env, capture_output=True, text=True, timeout=60)
+        assert json.loads(listed.stdout)["runs"][0]["status"] == "finished:stopped", listed.stdout
+        rounds = json.loads((tmp_path / "long" / "results.json").read_text())["rounds"]
+        assert 1 <= len(rounds) < 200
+    finally:
+        kill_trees(pids_with_argument(env["FLWR_HOME"]))
+    assert not pids_with_argument(env["FLWR_HOME"])
+
+
+def test_protofl_run_ends_a_superlink_whose_directory_is_gone_and_its_run_completes(tmp_path):
+    """A managed SuperLink on this Flower home's port, started as `flwr run` starts one, from a
+    directory then deleted (a checkout removed and cloned again at its path): every run it takes
+    dies at `import torch` before its first heartbeat (tests/test_run_command.py). `protofl run`
+    ends it, says so, and its run on a new SuperLink completes."""
+    command, env = flwr_command(tmp_path, "method='fedavg' num-server-rounds=1", runner="protofl")
+    home, gone = Path(env["FLWR_HOME"]), tmp_path / "old-checkout"
+    (home / "local-superlink").mkdir(parents=True)
+    gone.mkdir()
+    port, control = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"]
+    stale = subprocess.Popen(
+        [str(Path(sys.executable).parent / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+         "--control-api-address", f"127.0.0.1:{control}", "--host", "127.0.0.1", "--port", port,
+         "--database", str(home / "local-superlink" / "state.db")],
+        cwd=gone, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_port("127.0.0.1", int(port), timeout=60)
+        gone.rmdir()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+        assert stale.wait(timeout=30) is not None
+        assert (f"protofl: ended the local SuperLink on 127.0.0.1:{port} (pid {stale.pid}): the directory it was "
+                f"started from, {gone}, is gone") in done.stderr, done.stderr
+        assert done.returncode == 0 and last_line(done.stdout).endswith(" finished:completed"), done.stdout[-3000:]
+    finally:
+        kill_trees([stale.pid, *pids_with_argument(str(home))])
+    assert not pids_with_argument(str(home))

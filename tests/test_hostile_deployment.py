@@ -93,8 +93,7 @@ def test_run_finishes_without_the_hostile_node(tmp_path, deployment):
     home = native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}")
     run_config = (f"method='fedproto' num-server-rounds={ROUNDS} min-fit-clients=2 fraction-fit=1.0 "
                   f"output-dir='{tmp_path}' run-name='hostile'")
-    run = native.flwr(home, ["run", str(ROOT), "deployment", "--stream", "--run-config", run_config],
-                      timeout=RUN_TIMEOUT)
+    run = native.protofl_run(home, [str(ROOT), "deployment", "--run-config", run_config], timeout=RUN_TIMEOUT)
     # the ServerApp's log reaches us through --stream (its SuperExec's own log has only SuperExec lines)
     server_log = deployment.log("superexec-serverapp") + run.stdout + run.stderr
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

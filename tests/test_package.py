@@ -1,7 +1,7 @@
 """protofl as a package: its version, `protofl new`'s app directory, pyproject.toml's ranges against
 constraints.txt's pins, and (slow) a wheel and an sdist built from the checkout (`python -m build`),
 each installed into a fresh virtual environment over the pinned dependencies, then `protofl
---version`, `protofl new` and `flwr run` of the new app directory from the wheel's; and (slow) the
+--version`, `protofl new` and `protofl run` of the new app directory from the wheel's; and (slow) the
 wheel with the dependencies pip resolves from the package index, running the README's main job."""
 
 import importlib.metadata
@@ -167,7 +167,7 @@ def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path, 
     answer = run_in(from_sdist, ["protofl", "--version"], tmp_path)
     assert answer.stdout == f"protofl {version}\n", answer.stderr
 
-    # the wheel installs, writes an app directory, and flwr runs it
+    # the wheel installs, writes an app directory, and its `protofl run` runs it
     bin_dir = fresh_venv(tmp_path / "venv")
     install(bin_dir, wheel)
     code = "import json, protofl, sys; print(json.dumps([protofl.__file__, sys.path]))"
@@ -184,13 +184,14 @@ def test_the_built_wheel_and_sdist_install_and_run_the_app_they_write(tmp_path, 
     }
     run_config = f"num-server-rounds=2 output-dir='{tmp_path / 'runs'}' run-name='installed' tracker='tensorboard,mlflow'"
     try:
-        run = run_in(bin_dir, ["flwr", "run", "experiments", "--stream", "--run-config", run_config,
+        run = run_in(bin_dir, ["protofl", "run", "experiments", "--run-config", run_config,
                                "--federation-config", "num-supernodes=3 client-resources-num-cpus=1"],
                      tmp_path, env, timeout=540)
     finally:
         kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
     assert not pids_with_argument(str(home))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith(" finished:completed"), (
+        run.stdout[-3000:] + run.stderr[-3000:])
     directory = tmp_path / "runs" / "installed"
     results = json.loads((directory / "results.json").read_text())
     assert [r["round"] for r in results["rounds"]] == [1, 2] and results["rounds"][1]["global_accuracy"] > 0.5

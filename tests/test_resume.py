@@ -20,12 +20,12 @@ from flwr.app import RecordDict
 from flwr.common import ndarrays_to_parameters
 from inprocess import methods_fast_for, run_in_process
 from native import kill_trees, pids_with_argument
-from round_records import TIMING  # what an interrupted run and an uninterrupted one may differ in
 
 from protofl.federation.checkpoint import CHECKPOINT, Checkpoint, RunCheckpoints, open_run
 from protofl.federation.client_state import ClientStateStore
 from protofl.federation.state_disk import state_versions_kept
 from protofl.federation.wire import ClassVectors, round_config
+from protofl import report
 from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
@@ -39,9 +39,8 @@ RUN = {"dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "fraction
        "global-test-pm-per-class": 10, "batch-size": 32}
 
 
-def rounds_without_timing(directory: Path) -> list[dict]:
-    results = json.loads((directory / "results.json").read_text())
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in results["rounds"]]
+def rounds_without_timing(directory: Path) -> list[dict]:  # all an interrupted and an uninterrupted run share
+    return report.rounds_without_timing(json.loads((directory / "results.json").read_text()))
 
 
 def assert_same_rounds(resumed: Path, reference: Path) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from flwr.common.config import parse_config_args
 from inprocess import run_in_process
-from round_records import TIMING  # what two runs of the same config may differ in
 
-from protofl.report import RunRecorder
+from protofl.report import TIMING_FIELDS, RunRecorder
 from protofl.settings import ExperimentSettings
 from protofl.tracking import (
     Tracker,
@@ -194,7 +193,7 @@ def expected_points(results: dict) -> dict[str, list[tuple[int, float]]]:
 
 
 def without_timing(points: dict) -> dict:
-    return {key: value for key, value in points.items() if key not in TIMING}
+    return {key: value for key, value in points.items() if key not in TIMING_FIELDS}
 
 
 def assert_same_points(got: dict, want: dict) -> None:
