@@ -169,13 +169,13 @@ run_protofl() {  # step, batch, rounds, limit, extra overrides
   [ "$DEVICE" = cpu ] && fc="num-supernodes=$CLIENTS client-resources-num-cpus=1"
   rm -rf "${DATA:?}/runs/$1"  # no results.json of an earlier try
   t0=$(now)
-  timeout -k 10 "$4" flwr run . --stream --run-config "$rc_" --federation-config "$fc" > "$LOGS/$1.log" 2>&1; rc=$?
+  timeout -k 10 "$4" protofl run . --run-config "$rc_" --federation-config "$fc" > "$LOGS/$1.log" 2>&1; rc=$?
   if [ "$rc" -ge 124 ]; then  # killed by timeout: the simulation goes on in the SuperLink, stop it
     local run_id; run_id=$(grep -o "Successfully started run [0-9]*" "$LOGS/$1.log" | grep -o "[0-9]*$")
     [ -n "$run_id" ] && timeout 30 flwr stop "$run_id" >> "$LOGS/$1.log" 2>&1 && sleep 5
   fi
   report protofl "$1" "$2" "$DATA/runs/$1/results.json" "$(python3 -c "print($(now) - $t0)")" "$rc" \
-    "flwr run . --stream --run-config \"$rc_\" --federation-config \"$fc\""
+    "protofl run . --run-config \"$rc_\" --federation-config \"$fc\""
 }
 
 for step in $STEPS; do

@@ -2,7 +2,7 @@
 
     python benchmarks/scale.py --methods fedproto fedsa --clients 100 1000 --rounds 6 --out runs/scale
 
-Each (method, clients, client-state) cell is one `flwr run . --stream` (Ray simulation, its own
+Each (method, clients, client-state) cell is one `protofl run .` (`flwr run . --stream`; Ray simulation, its own
 Flower home and ports) on Fashion-MNIST with ``fraction-fit`` 0.1. While it runs, the resident
 memory of every process it started (the managed SuperLink, the simulation, Ray and its workers) is
 sampled twice a second: ``peak RSS`` sums RSS (pages shared between processes counted in each),
@@ -89,7 +89,7 @@ def one_run(method: str, clients: int, on_disk: bool, rounds: int, out: Path, ex
             "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(native.free_port()),
             "FLWR_LOCAL_CONTROL_API_PORT": str(native.free_port()),
         }
-        command = [str(bin_dir / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
+        command = [str(bin_dir / "protofl"), "run", str(ROOT), "--run-config", run_config,
                    "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
         print(f"\n=== {label}: {' '.join(command)}", flush=True)
         started = time.perf_counter()
