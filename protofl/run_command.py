@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -128,6 +129,29 @@ def verdict(run_id: str | None, status: str, details: str, rounds: int, run_dire
     return 1, f"protofl run: run {run_id} {status}: {cause}"
 
 
+def stop(process: subprocess.Popen, run_id: str | None, superlink: str | None) -> None:
+    """After Ctrl-C: `flwr run` interrupted, its last lines still copied (a full pipe would block
+    it), and the run stopped on the SuperLink."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the clean-up short
+    copy = threading.Thread(target=lambda: [sys.stdout.write(line) for line in process.stdout], daemon=True)
+    copy.start()
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    if run_id is not None:
+        try:
+            subprocess.run([flwr_executable(), "stop", run_id] + ([superlink] if superlink else []),
+                           capture_output=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    copy.join(timeout=5)
+    sys.stdout.flush()
+
+
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
     local = connection_address(args.superlink) in (":local:", ":local-in-memory:")
@@ -153,12 +177,7 @@ def main(argv: Sequence[str]) -> int:
         process.wait()
         status, details = final_status(run_id, args.superlink) if run_id is not None else ("", "")
     except KeyboardInterrupt:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-        if run_id is not None:
-            subprocess.run([flwr_executable(), "stop", run_id] + ([args.superlink] if args.superlink else []),
-                           capture_output=True, timeout=60)
-        process.wait()
+        stop(process, run_id, args.superlink)
         print(f"protofl run: stopped{f' run {run_id}' if run_id else ''} (interrupted)", flush=True)
         return INTERRUPTED
     start_error = None
