@@ -165,7 +165,10 @@ def test_protofl_run_ends_a_stale_superlink_completes_on_busy_cores_and_ctrl_c_s
             pytest.xfail(f"the busy run failed, with its cause: {last}")
 
         long_command, _ = flwr_command(tmp_path, "method='fedavg' num-server-rounds=200", "long", "protofl")
-        long = subprocess.Popen(long_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Ctrl-C's SIGINT as a terminal's foreground command gets it (a shell's background job, which
+        # CI may be, starts its commands with SIGINT ignored)
+        long = subprocess.Popen(long_command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         output = ""
         deadline = time.monotonic() + 300
         while "round 1: GM" not in output and time.monotonic() < deadline and long.poll() is None:
