@@ -37,6 +37,11 @@ class ManagedSuperLink:
         return self.argv[self.argv.index(name) + 1] if name in self.argv[:-1] else None
 
     @property
+    def gone_directory(self) -> str | None:
+        """The directory it was started from, when that is gone."""
+        return self.directory.removesuffix(" (deleted)") if self.directory.endswith(" (deleted)") else None
+
+    @property
     def bin_directory(self) -> Path:
         """The environment it runs in: the directory of its ``flower-superlink`` script."""
         script = next(a for a in self.argv if Path(a).name == "flower-superlink")
@@ -47,9 +52,9 @@ def http_port() -> str:
     return os.environ.get("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", DEFAULT_HTTP_PORT)
 
 
-def find(port: str | None = None) -> ManagedSuperLink | None:
-    """The ``flower-superlink`` process serving ``--port port`` on this machine, if any."""
-    port = port or http_port()
+def find() -> ManagedSuperLink | None:
+    """The ``flower-superlink`` process serving this environment's port on this machine, if any."""
+    port = http_port()
     for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []:
         try:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
@@ -68,8 +73,8 @@ def problem(superlink: ManagedSuperLink, bin_directory: Path | None = None) -> t
     """Why ``superlink`` cannot serve a run of this environment, and whether it is stale (what it
     was started from is gone, so no one can use it) rather than another environment's; None if it can."""
     database = superlink.option("--database")
-    if superlink.directory.endswith(" (deleted)"):
-        return f"the directory it was started from, {superlink.directory[:-len(' (deleted)')]}, is gone", True
+    if superlink.gone_directory:
+        return f"the directory it was started from, {superlink.gone_directory}, is gone", True
     if database and not Path(database).parent.is_dir():
         return f"its Flower home ({Path(database).parent.parent}) is gone", True
     if not superlink.bin_directory.is_dir():
@@ -111,8 +116,8 @@ def task_start_error(superlink: ManagedSuperLink, timeout: float = 120.0) -> str
     task (``flwr-simulation``, its output discarded by the SuperExec) imports Flower's simulation,
     Ray and torch in the SuperLink's directory and environment. The last line of that import's
     error; None if it imports."""
-    if superlink.directory.endswith(" (deleted)"):
-        return f"the local SuperLink's directory, {superlink.directory[:-len(' (deleted)')]}, is gone"
+    if superlink.gone_directory:
+        return f"the local SuperLink's directory, {superlink.gone_directory}, is gone"
     python = superlink.bin_directory / "python"
     try:
         probe = subprocess.run([str(python), "-c", "import flwr.simulation.app, ray, torch"], cwd=superlink.directory,
@@ -133,16 +138,16 @@ def _environ(pid: int) -> dict[str, str] | None:
         return None
 
 
-def check(end_stale: bool = True) -> str | None:
-    """The local SuperLink on this environment's port: a stale one is ended (``end_stale``) and
-    said so on stderr; None when a run can go ahead, else the one line that says why not."""
+def check() -> str | None:
+    """The local SuperLink on this environment's port: a stale one is ended and said so on stderr;
+    None when a run can go ahead, else the one line that says why not."""
     superlink = find()
     found = superlink and problem(superlink)
     if not found:
         return None
     reason, stale = found
     where = f"the local SuperLink on 127.0.0.1:{http_port()} (pid {superlink.pid})"
-    if stale and end_stale and end(superlink):
+    if stale and end(superlink):
         print(f"protofl: ended {where}: {reason}; `flwr run` starts a new one", file=sys.stderr)
         return None
     return (f"{where} cannot run this environment's app: {reason}. End it with `kill {superlink.pid}` "
