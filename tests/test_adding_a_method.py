@@ -54,7 +54,9 @@ def test_the_guide_names_every_hook_a_method_overrides():
     for name in METHODS:
         module = importlib.import_module(f"protofl.strategies.{name}")
         for cls, template in ((module.STRATEGY, PrototypeStrategy), (module.CLIENT, PrototypeClient)):
-            hooks |= {attr for attr in vars(cls) if hasattr(template, attr) and not attr.startswith("_")}
+            written = [c for c in cls.__mro__ if issubclass(c, template) and not c.__module__.startswith(
+                "protofl.federation")]  # the method's classes and its families'
+            hooks |= {attr for c in written for attr in vars(c) if hasattr(template, attr) and not attr.startswith("_")}
         hooks |= {attr for attr in vars(module.STRATEGY.options_class) if hasattr(MethodOptions, attr)
                   and not attr.startswith("_")}
         if hasattr(module, "prepare_model"):
@@ -68,7 +70,8 @@ WALK_THROUGH, OTHER_SHAPES = GUIDE.split("## Hooks for methods of other shapes")
 
 
 def test_the_guide_walks_through_a_real_method_file():
-    source = (ROOT / "protofl" / "strategies" / "fedproto.py").read_text()
+    source = "".join((ROOT / "protofl" / "strategies" / name).read_text()
+                     for name in ("fedproto.py", "families/class_vectors.py"))
     blocks = re.findall(r"```python\n(.*?)```", WALK_THROUGH, re.S)
     assert len(blocks) >= 3
     for block in blocks:  # each excerpt is in the file as it is today (signatures may be shortened)
@@ -90,15 +93,18 @@ def test_each_example_of_the_other_shapes_is_in_the_file_it_names():
 
 
 def test_the_guides_fedproto_excerpts_are_fedprotos_own_source():
-    """The options, server rule and client rule the guide shows are what fedproto.py holds."""
+    """The options, server rule and client rule the guide shows are what fedproto.py and its family
+    hold."""
     import inspect
 
     from protofl.strategies import fedproto
+    from protofl.strategies.families import class_vectors
 
-    for cls in (fedproto.FedProtoOptions, fedproto.FedProtoStrategy, fedproto.FedProtoClient):
+    for cls in (fedproto.FedProtoOptions, fedproto.FedProtoStrategy, fedproto.FedProtoClient,
+                class_vectors.ClassVectorAveraging, class_vectors.PrototypeLossClient):
         source = inspect.getsource(cls).rstrip("\n")
         blocks = re.findall(r"```python\n(.*?)\n```", GUIDE, re.S)
-        assert source in blocks, f"the guide's {cls.__name__} differs from protofl/strategies/fedproto.py"
+        assert source in blocks, f"the guide's {cls.__name__} differs from {inspect.getsourcefile(cls)}"
 
 
 def test_a_new_methods_round_records_are_recorded_without_remaking_the_others():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from protofl.report import class_weighted_accuracy, personalized_stats, summarize
-from protofl.strategies.fedproto import prototype_loss
+from protofl.task.losses import prototype_loss
 from protofl.task.prototypes import aggregate_prototypes, sigmoid_discrepancy_weights
 from protofl.task.robust import robust_average_layers, robust_mean, trimmed_mean
 from protofl.task.sampling import client_seed, sample_partitions

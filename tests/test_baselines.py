@@ -18,11 +18,12 @@ from protofl.strategies import build_method_model, get_method
 from protofl.strategies.fedavg import FedAvgClient
 from protofl.strategies.fedntd import FedNTDClient, not_true_distillation, not_true_logits
 from protofl.strategies.fedopt import FedOptOptions, FedOptStrategy, server_step
-from protofl.strategies.fedprox import FedProxClient, proximal_term
+from protofl.strategies.fedprox import FedProxClient
 from protofl.strategies.fedrcl import FedRCLClient, feature_levels, relaxed_contrastive_terms
 from protofl.strategies.moon import MOONClient, model_contrastive_loss
 from protofl.strategies.scaffold import SCAFFOLDClient, SCAFFOLDStrategy, client_control_update, step_multipliers
 from protofl.task.data import load_client_data, load_dataset
+from protofl.task.losses import proximal_term
 from protofl.task.models import BasicBlock, build_model
 from protofl.task.train import train
 from protofl.task.weights import get_weights
@@ -597,7 +598,7 @@ def test_scaffold_keeps_c_the_mean_of_the_clients_c_i_when_an_update_is_lost(tmp
     assert metrics["accepted"] == 3
     counted = []  # each client's c_i as its next fit counts it
     for client, config in zip(clients(), strategy.round_configs(3, [0, 1, 2])):
-        client.receive(parameters_to_ndarrays(new), config)
+        client.receive(parameters_to_ndarrays(new), client.round_of(config))
         counted.append(client.client_control)
     for i, c in enumerate(strategy.control):  # float32 sums of 3 terms: a few ulps of the largest
         mean = np.mean([ci[i].astype(np.float64) for ci in counted], axis=0)

@@ -259,7 +259,7 @@ def test_each_method_says_whether_its_step_may_be_captured():
         client = client_class(settings, data, build_model("cnn", 1, 10, 16, seed=0), 2, {})
         assert client.options.capturable is capturable, (method, options)
         step = "auto" if capturable else "off"
-        assert client.train_kwargs({"server-round": 1})["cuda_graphs"] == client.precision["cuda_graphs"] == step
+        assert client.train_kwargs(client.round_of({"server-round": 1}))["cuda_graphs"] == client.precision["cuda_graphs"] == step
         # the server scores the global model in the precision its clients train in
         server_options = strategy_class.options_class.from_settings(settings)
         assert settings.method_precision(server_options) == client.precision

@@ -20,6 +20,7 @@ from protofl.strategies.fedavg import FedAvgClient
 from protofl.strategies.fedproto import FedProtoClient
 from protofl.task.data import ClientData, load_client_data
 from protofl.task.models import build_model
+from protofl.task.sampling import client_seed
 from protofl.task.statistics import class_means
 from protofl.task.weights import get_weights
 
@@ -255,3 +256,22 @@ def test_a_thread_gives_its_model_to_its_next_message_set_back_as_built():
     assert held is first and worker_model(settings, data, None) is not held
     other = ExperimentSettings(dataset="digits", method="fednh", seed=1)
     assert message(lambda: worker_model(other, data, None)) is not held
+
+
+def test_a_message_is_decoded_once_into_the_typed_round_the_hooks_read():
+    """round_of: the round, this client's seed, the round's decayed learning rate, the server's arrays
+    by name (and nothing else of Flower's dict), and the round whose scores ride along; scored_round:
+    that round as its own evaluate message carries it."""
+    settings = ExperimentSettings(method="fedproto", lr=0.1, lr_decay=0.5, seed=7)
+    client = make_client(FedProtoClient, RecordDict(), settings)
+    arrays = prototype_config(np.ones((10, 3), np.float32), np.ones(10, bool))
+    fit = client.round_of({"server-round": 3, "seed": 11, "run-key": "r", "evaluate-round": 2} | arrays)
+    assert (fit.number, fit.seed, fit.evaluates) == (3, 11, 2)
+    assert fit.lr == pytest.approx(0.1 * 0.5**2)
+    assert set(fit.broadcasts) == set(arrays)
+    scored = client.scored_round(fit)
+    evaluate = client.round_of({"server-round": 2, "seed": client_seed(7, 2, 1)} | arrays)
+    assert scored == evaluate  # the same round, seed, lr and arrays as the evaluate message of round 2
+    assert client.scored_round(evaluate) is evaluate
+    first = client.round_of({})
+    assert (first.number, first.seed, first.lr, first.evaluates, dict(first.broadcasts)) == (1, 7, 0.1, None, {})

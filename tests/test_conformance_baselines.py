@@ -50,11 +50,10 @@ from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
 from protofl.federation.partitions import PartitionClaim
-from protofl.federation.wire import CONTRASTIVE_LOSS, TRAIN_LOSS, encode_array
+from protofl.federation.wire import CONTRASTIVE_LOSS, PROXIMAL_LOSS, TRAIN_LOSS, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.strategies.fedntd import NTD_LOSS
-from protofl.strategies.fedprox import PROXIMAL_LOSS
 from protofl.strategies.scaffold import CONTROL_DELTA, PENDING_CONTROL
 from protofl.task.data import ClientData
 

@@ -178,7 +178,7 @@ def test_original_round_and_server_equal_the_codes(tmp_path):
     for classes in ("own", "all"):
         switched = _settings(given, tmp_path, **{"prototype-pass": "last-epoch", "prototype-classes": classes})
         client = FedProtoClient(switched, data, build_method_model(switched, data), 1, state)
-        client.prepare_evaluation([], config)
+        client.prepare_evaluation([], client.round_of(config))
         features, logits = client.forward(data.test_x)
         vectors, mask = client.received_prototypes
         vectors = vectors.clone()

@@ -68,11 +68,11 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.strategies.feddistill import distillation_loss
 from protofl.strategies.fedgen import LABEL_COUNTS, Generator, ensemble_loss
-from protofl.strategies.fedgh import prototype_pairs, train_head
-from protofl.strategies.fedproto import prototype_loss
+from protofl.strategies.fedgh import train_head
 from protofl.strategies.fedtgp import TrainablePrototypes, adaptive_margin, train_prototypes
 from protofl.task.data import ClientData
-from protofl.task.prototypes import aggregate_prototypes
+from protofl.task.losses import prototype_loss
+from protofl.task.prototypes import aggregate_prototypes, prototype_pairs
 from protofl.task.statistics import FeatureSums, class_means
 
 pytestmark = pytest.mark.conformance

@@ -56,12 +56,14 @@ from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
-from protofl.federation.wire import SEED, SERVER_ROUND, TRAIN_LOSS
+from protofl.federation.wire import SEED, SERVER_ROUND, SHARED_LOSS, TRAIN_LOSS
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
+from protofl.strategies.families.second_model import MutualModels
 from protofl.strategies.fedkd import FedKDOptions, fedkd_loss, low_rank
-from protofl.strategies.fml import SHARED_LOSS, MutualModels, mean_kl, mutual_loss
+from protofl.strategies.fml import mutual_loss
 from protofl.task.data import ClientData
+from protofl.task.losses import mean_kl
 from protofl.task.train import train
 
 pytestmark = pytest.mark.conformance

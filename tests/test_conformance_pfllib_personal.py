@@ -73,7 +73,7 @@ def test_perfedavg_two_rounds_and_the_adaptation_step_equal_pfllib(tmp_path):
         data = _data(given, p)
         client = client_class(settings, data, build_method_model(settings, data), NUM_CLIENTS, RecordDict())
         seed = int(given[f"eval.client{p}.seed"])
-        client.prepare_evaluation(aggregate, {"server-round": len(ROUNDS) + 1, "seed": seed})
+        client.prepare_evaluation(aggregate, client.round_of({"server-round": len(ROUNDS) + 1, "seed": seed}))
         for name, tensor in all_tensors(client.model).items():
             _assert_fingerprint(tensor.detach().numpy(), theirs[f"eval.client{p}.adapted.{name}"],
                                 f"client {p} adapted {name}")

@@ -124,7 +124,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     fresh_loss = sample_infonce_losses(feats, again.data.train_y, torch.from_numpy(prototypes), everything, 0.1)
     fresh_loss = fresh_loss.mean().item()
     global_phi = [a * 0 + 0.01 for a in trained_phi]
-    tau = again._local_aggregation(global_phi, again.global_prototypes(prototype_config(2, prototypes)))
+    tau = again._local_aggregation(global_phi, again.global_prototypes(again.round_of(prototype_config(2, prototypes))))
     assert tau == pytest.approx(math.exp(-fresh_loss), rel=1e-5)
     for mixed, local, glob in zip(body_arrays(again), trained_phi, global_phi):
         np.testing.assert_allclose(mixed, tau * local + (1 - tau) * glob, rtol=1e-5, atol=1e-6)
@@ -136,7 +136,7 @@ def test_client_keeps_its_head_sends_only_phi_and_mixes_by_its_last_loss():
     assert float(make_client(state).local_state["last-contrastive-loss"]) == metrics["contrastive-loss"]
     third = make_client(state)
     third.has_personal_model = third.restore_personal_model()
-    tau3 = third._local_aggregation(global_phi, third.global_prototypes(prototype_config(3, prototypes)))
+    tau3 = third._local_aggregation(global_phi, third.global_prototypes(third.round_of(prototype_config(3, prototypes))))
     assert tau3 == pytest.approx(math.exp(-metrics["contrastive-loss"]), rel=1e-6)
 
 
@@ -155,7 +155,7 @@ def test_without_contrastive_loss_and_local_aggregation_it_is_ce_on_global_phi_a
     reference = make_client(RecordDict())
     reference.model.load_state_dict(after_round_1)
     reference.load_shared(global_phi)
-    train(reference.model, reference.data.train_x, reference.data.train_y, **reference.train_kwargs({"seed": 2}))
+    train(reference.model, reference.data.train_x, reference.data.train_y, **reference.train_kwargs(reference.round_of({"seed": 2})))
     for a, b in zip(sent, body_arrays(reference)):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
@@ -241,7 +241,7 @@ def test_fresh_eval_tau_and_evaluation_after_aggregation():
     expected = expected.mean().item()
     assert expected != pytest.approx(stored, rel=1e-3)
     global_phi = [a * 0 for a in body_arrays(fresh)]
-    tau = fresh._local_aggregation(global_phi, fresh.global_prototypes(prototype_config(3, prototypes)))
+    tau = fresh._local_aggregation(global_phi, fresh.global_prototypes(fresh.round_of(prototype_config(3, prototypes))))
     assert tau == pytest.approx(math.exp(-expected), rel=1e-5)
 
     # PM after fit scores the stored model; after aggregation, the stored model mixed with global phi

@@ -14,14 +14,15 @@ from protofl.federation.admission import ClientUpdate
 from protofl.federation.wire import PayloadError
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
+from protofl.strategies.families.second_model import MutualModels
 from protofl.strategies.feddistill import distillation_loss
 from protofl.strategies.fedgen import LABEL_COUNTS, Generator, draw, generator_entries
-from protofl.strategies.fedgh import prototype_pairs
 from protofl.strategies.fedkd import FedKDOptions, low_rank
-from protofl.strategies.fml import MutualModels, mean_kl
 from protofl.strategies.fedtgp import adaptive_margin, margin_loss
 from protofl.task.data import load_client_data, load_dataset
+from protofl.task.losses import mean_kl
 from protofl.task.models import SplitModel
+from protofl.task.prototypes import prototype_pairs
 from protofl.task.train import train
 
 SHARES_ACROSS = ("lgfedavg", "fml", "fedkd", "fedgen", "fedgh")  # parameters, but the same for every architecture

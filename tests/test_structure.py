@@ -78,6 +78,43 @@ def test_the_import_graph_has_no_cycle_and_task_imports_nothing_of_the_flower_si
     assert {name: targets for name, targets in task.items() if targets} == {}
 
 
+def flower_importers(prefix: str) -> list[str]:
+    """The protofl modules under ``prefix`` that import Flower (``flwr``, ``flwr_datasets`` aside: a
+    data set's loader, not the federation), anywhere in the module."""
+    found = []
+    for name, tree in modules().items():
+        if not name.startswith(prefix):
+            continue
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "flwr" or n.startswith("flwr.") for n in names):
+                found.append(name)
+                break
+    return found
+
+
+def test_no_method_file_imports_another_and_what_they_share_lives_in_families_or_task():
+    """A method file imports families (protofl.strategies.families) and protofl.task, never another
+    method file: what two methods share lives once, where neither owns it."""
+    from protofl.strategies import METHODS
+
+    graph = import_graph()
+    method_modules = {f"protofl.strategies.{name}" for name in METHODS}
+    assert method_modules <= set(graph)
+    crossing = {name: sorted(graph[name] & method_modules) for name in method_modules if graph[name] & method_modules}
+    assert crossing == {}
+    families = {name: sorted(graph[name] & method_modules) for name in graph
+                if name.startswith("protofl.strategies.families") and graph[name] & method_modules}
+    assert families == {}
+
+
+def test_the_methods_and_the_task_import_no_flower():
+    assert flower_importers("protofl.strategies") == []
+    assert flower_importers("protofl.task") == []
+    assert "protofl.federation.server" in flower_importers("protofl.federation")  # the finder finds one
+
+
 def test_nothing_below_the_apps_imports_them():
     """The ServerApp and ClientApp modules are the top: no other module of protofl imports them (the
     training worker once took the ClientApp's kept models from it, inside a function)."""

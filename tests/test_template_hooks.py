@@ -35,13 +35,13 @@ def digits_client(client_class, **settings):
 class HeadThenBody(PrototypeClient):
     """FedRep's shape: the head for an epoch with the body frozen, then the body with the head frozen."""
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         self.model.body.requires_grad_(False)
-        self.head_loss = self.train_model(config, phase="head")
+        self.head_loss = self.train_model(this_round, phase="head")
         self.after_head = copy.deepcopy(self.model)
         self.model.body.requires_grad_(True)
         self.model.head.requires_grad_(False)
-        loss = self.train_model(config, phase="body", epochs=2)
+        loss = self.train_model(this_round, phase="body", epochs=2)
         self.model.head.requires_grad_(True)
         return loss
 
@@ -88,8 +88,8 @@ def test_a_task_loss_of_its_own_trains_on_what_it_computes():
     assert not all(np.array_equal(a, b) for a, b in zip(get_weights(plain.model), get_weights(balanced.model)))
 
     class UniformPrior(BalancedSoftmaxClient):
-        def receive(self, parameters, config):
-            super().receive(parameters, config)
+        def receive(self, parameters, this_round):
+            super().receive(parameters, this_round)
             self.log_prior = torch.full_like(self.log_prior, np.log(0.1))
 
     uniform = digits_client(UniformPrior)

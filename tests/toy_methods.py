@@ -60,10 +60,10 @@ class ServerHeadStrategy(PrototypeStrategy):
 class ServerHeadClient(PrototypeClient):
     options_class = ServerHeadOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         head = self.model.head.state_dict()
-        received = {name: self.received(config, f"{HEAD}/{name}", ArraySpec.like(t.numpy()))
+        received = {name: self.received(this_round, f"{HEAD}/{name}", ArraySpec.like(t.numpy()))
                     for name, t in head.items()}
         if all(v is not None for v in received.values()):
             self.model.head.load_state_dict({name: torch.from_numpy(v) for name, v in received.items()})
@@ -99,9 +99,9 @@ class OwnBroadcastStrategy(PrototypeStrategy):
 class OwnBroadcastClient(PrototypeClient):
     options_class = OwnBroadcastOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
-        own = self.received(config, OWN, ArraySpec((3,)))
+        own = self.received(this_round, OWN, ArraySpec((3,)))
         if own is None or not (own == self.data.partition_id).all():
             raise PayloadError(f"partition {self.data.partition_id} received {own}")
 
@@ -124,7 +124,7 @@ class BalancedSoftmaxClient(PrototypeClient):
     """FedRoD's task loss: the cross-entropy of the logits shifted by the log of the client's class
     prior (its training counts), so that a skewed split does not bias the head."""
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         counts = torch.from_numpy(self.data.class_counts()).to(self.device)
         self.log_prior = torch.log(counts.clamp(min=1) / counts.sum()).to(self.model.head.weight.dtype)

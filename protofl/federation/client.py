@@ -31,6 +31,7 @@ from flwr.client import NumPyClient
 from flwr.common import Scalar
 
 from protofl.federation.client_exchange import ModelExchange
+from protofl.federation.client_round import ClientRound
 from protofl.federation.client_state import MEMORY, ClientStateStore, LocalState
 from protofl.federation.client_training import LocalTraining
 from protofl.federation.scoring import Predictor, local_scores
@@ -41,8 +42,6 @@ from protofl.federation.wire import (
     NUM_TEST,
     NUM_TRAIN,
     PARTITION_ID,
-    SEED,
-    SERVER_ROUND,
     TRAIN_LOSS,
     ClassStatistics,
     encode_array,
@@ -92,7 +91,7 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
 
     # --- hooks for methods --------------------------------------------------------------
 
-    def receive(self, parameters: list[np.ndarray], config: Mapping[str, Scalar]) -> None:
+    def receive(self, parameters: list[np.ndarray], this_round: ClientRound) -> None:
         """Before training: set up the model to train from and read what the server sent
         (keep decoded arrays on ``self`` for ``batch_loss``). Default: load the shared entries."""
         self.load_shared(parameters)
@@ -103,11 +102,11 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         every client, trained beside the client's own."""
         return self.model
 
-    def local_training(self, config: Mapping[str, Scalar]) -> float:
+    def local_training(self, this_round: ClientRound) -> float:
         """This round's local training; returns its mean training loss. Default: one
         :meth:`train_model` of the model, as the run config says. A method may train in phases
         (the head, then the body), or a second model beside the first."""
-        return self.train_model(config)
+        return self.train_model(this_round)
 
     def local_statistics(self, seen: FeatureSums | None) -> ClassStatistics:
         """The class statistics uploaded after training."""
@@ -123,10 +122,10 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         (SCAFFOLD's control-variate deltas): exactly the names of the strategy's ``upload_specs``."""
         return {}
 
-    def prepare_evaluation(self, parameters: list[np.ndarray], config: Mapping[str, Scalar]) -> None:
+    def prepare_evaluation(self, parameters: list[np.ndarray], this_round: ClientRound) -> None:
         """Before scoring a model this client does not keep: set up the model to score (default: as
         for training)."""
-        self.receive(parameters, config)
+        self.receive(parameters, this_round)
 
     def predictors(self) -> dict[str, Predictor]:
         """The rules that classify a test sample, by name: each is logged; the one the method's
@@ -148,18 +147,25 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
     def get_parameters(self, config: dict[str, Scalar]) -> list[np.ndarray]:
         return self.shared_arrays()
 
+    def round_of(self, config: Mapping[str, Scalar]) -> ClientRound:
+        """The typed round a message's config asks for, decoded once: what the method's hooks read."""
+        number = server_round(config)
+        return ClientRound(number, round_seed(config, self.settings.seed), self.settings.round_lr(number),
+                           {key: value for key, value in config.items() if isinstance(value, bytes)},
+                           int(config[EVALUATE_ROUND]) if EVALUATE_ROUND in config else None)
+
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
-        evaluated = self.evaluate_before_training(parameters, config) if EVALUATE_ROUND in config else {}
+        this_round = self.round_of(config)
+        evaluated = {} if this_round.evaluates is None else self.evaluate_before_training(parameters, config, this_round)
         self.loss_parts = DeviceMeans()
-        self.state.use(config, server_round(config))  # as it was before this round
+        self.state.use(config, this_round.number)  # as it was before this round
         self.has_personal_model = self.options.keeps_model == "trains" and self.restore_personal_model()
-        self.receive(parameters, config)
+        self.receive(parameters, this_round)
         self.seen = self.prototype_collector()
-        loss = self.local_training(config)
+        loss = self.local_training(this_round)
         recompute = self.recompute_batchnorm()
         if recompute:  # in the eval pass's precision and memory format
-            recompute_batchnorm_stats(self.model, self.data.train_x, round_seed(config, self.settings.seed),
-                                      **self.precision)
+            recompute_batchnorm_stats(self.model, self.data.train_x, this_round.seed, **self.precision)
         described = compute_description(device=self.device, model=self.model, **self.precision)
         described["batchnorm_stats"] = "recompute" if recompute else "running"
         compute = {COMPUTE: encode_compute(described)}
@@ -178,10 +184,11 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         return self.shared_arrays(), self.data.num_train, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
-        return self._scored(parameters, config, server_round(config) + 1)  # as this round's fit left it
+        this_round = self.round_of(config)
+        return self._scored(parameters, config, this_round, this_round.number + 1)  # as this round's fit left it
 
     def _scored(
-        self, parameters: list[np.ndarray], config: Mapping[str, Scalar], before: int
+        self, parameters: list[np.ndarray], config: Mapping[str, Scalar], this_round: ClientRound, before: int
     ) -> tuple[float, int, dict[str, Scalar]]:
         """The model to score set up from the state saved before round ``before`` (see the module's
         docstring), then scored."""
@@ -189,27 +196,30 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         keeps = self.options.keeps_model
         self.has_personal_model = keeps in ("trains", "scores") and self.restore_personal_model()
         if keeps == "trains" or not self.has_personal_model:
-            self.prepare_evaluation(parameters, config)
+            self.prepare_evaluation(parameters, this_round)
         return self.score(self.predictors())
 
-    def evaluate_before_training(self, parameters: list[np.ndarray], config: Mapping[str, Scalar]) -> dict[str, Scalar]:
+    def evaluate_before_training(
+        self, parameters: list[np.ndarray], config: Mapping[str, Scalar], this_round: ClientRound
+    ) -> dict[str, Scalar]:
         """What :meth:`evaluate` would have replied for the previous round, as ``EVALUATED`` fit
         metrics: the same state and model (the state before this round is the one the previous
         round's fit left), scored before training; the model is then put back as it was."""
         untouched = tensor_copies(self.model)
-        loss, num_examples, metrics = self._scored(parameters, config, server_round(config))
+        loss, num_examples, metrics = self._scored(parameters, config, this_round, this_round.number)
         copy_tensors(all_tensors(self.model), untouched)
         return evaluation_as_fit_metrics(loss, num_examples, metrics)
 
-    def scored_round_config(self, config: Mapping[str, Scalar]) -> Mapping[str, Scalar]:
-        """``config`` as the evaluate message of the round being scored carries it (that round, and
-        this client's seed in it), also when the scores ride in the next round's fit message: what a
-        ``prepare_evaluation`` that trains (FedBABU's fine-tuning) trains with, so that both messages
-        give the same scores."""
-        if EVALUATE_ROUND not in config:
-            return config
-        scored = int(config[EVALUATE_ROUND])
-        return {**config, SERVER_ROUND: scored, SEED: client_seed(self.settings.seed, scored, self.data.partition_id)}
+    def scored_round(self, this_round: ClientRound) -> ClientRound:
+        """``this_round`` as the evaluate message of the round being scored carries it (that round,
+        this client's seed and the learning rate in it), also when the scores ride in the next
+        round's fit message: what a ``prepare_evaluation`` that trains (FedBABU's fine-tuning) trains
+        with, so that both messages give the same scores."""
+        if this_round.evaluates is None:
+            return this_round
+        scored = this_round.evaluates
+        return this_round.as_scored(client_seed(self.settings.seed, scored, self.data.partition_id),
+                                    self.settings.round_lr(scored))
 
     def score(self, predictors: Mapping[str, Predictor]) -> tuple[float, int, dict[str, Scalar]]:
         """(loss, num_test, metrics) of :func:`~protofl.federation.scoring.local_scores`, reporting

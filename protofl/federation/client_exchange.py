@@ -13,8 +13,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
-from flwr.common import Scalar
 
+from protofl.federation.client_round import ClientRound
 from protofl.federation.wire import (
     GLOBAL_PROTOTYPES,
     ArraySpec,
@@ -63,38 +63,38 @@ class ModelExchange:
 
     # --- what the server broadcasts -----------------------------------------------------
 
-    def received(self, config: Mapping[str, Scalar], key: str, spec: ArraySpec) -> np.ndarray | None:
-        """A broadcast array from the server config, validated; None when not sent."""
-        if key not in config:
+    def received(self, this_round: ClientRound, key: str, spec: ArraySpec) -> np.ndarray | None:
+        """A broadcast array of the round, validated; None when not sent."""
+        if key not in this_round.broadcasts:
             return None
-        return decode_array(config[key], spec, self.max_payload_bytes)
+        return decode_array(this_round.broadcasts[key], spec, self.max_payload_bytes)
 
-    def received_like(self, config: Mapping[str, Scalar], name: str,
+    def received_like(self, this_round: ClientRound, name: str,
                       like: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """Arrays broadcast under ``name`` as one per tensor of ``like`` (:func:`~protofl.federation.wire.indexed`),
         each checked against its tensor's shape and dtype, as tensors on its device; None when not
         sent (SCAFFOLD's server control variate, one per parameter)."""
-        if f"{name}/0" not in config:
+        if f"{name}/0" not in this_round.broadcasts:
             return None
         specs = [ArraySpec(tuple(t.shape), (str(t.dtype).removeprefix("torch."),)) for t in like]
-        arrays = indexed_entries(config, name, specs, self.max_payload_bytes)
+        arrays = indexed_entries(this_round.broadcasts, name, specs, self.max_payload_bytes)
         return [torch.from_numpy(a).to(t.device) for a, t in zip(arrays, like)]
 
-    def received_class_vectors(self, config: Mapping[str, Scalar], name: str) -> np.ndarray | None:
-        """A C x d array of the server's config (anchors, prototypes); None when not sent."""
-        return decode_class_vectors(config, name, self.data.num_classes, self.model.feature_dim, self.max_payload_bytes)
+    def received_class_vectors(self, this_round: ClientRound, name: str) -> np.ndarray | None:
+        """A C x d broadcast array (anchors, prototypes); None when not sent."""
+        return decode_class_vectors(this_round.broadcasts, name, self.data.num_classes, self.model.feature_dim, self.max_payload_bytes)
 
     def received_masked_vectors(
-        self, config: Mapping[str, Scalar], name: str, dim: int | None = None
+        self, this_round: ClientRound, name: str, dim: int | None = None
     ) -> ClassVectors | None:
         """Class vectors (``dim``: the feature size unless given) and their mask; None when not sent."""
         dim = dim or self.model.feature_dim
-        return ClassVectors.from_config(config, name, self.data.num_classes, dim, self.max_payload_bytes)
+        return ClassVectors.from_config(this_round.broadcasts, name, self.data.num_classes, dim, self.max_payload_bytes)
 
-    def global_prototypes(self, config: Mapping[str, Scalar]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def global_prototypes(self, this_round: ClientRound) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The server's (C x d prototypes, C mask of classes that have one) on this client's
         device; None before the server has any."""
-        received = self.received_masked_vectors(config, GLOBAL_PROTOTYPES)
+        received = self.received_masked_vectors(this_round, GLOBAL_PROTOTYPES)
         if received is None:
             return None
         return torch.from_numpy(received.vectors).to(self.device), torch.from_numpy(received.mask).to(self.device)

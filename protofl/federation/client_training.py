@@ -15,9 +15,8 @@ from typing import Any, Hashable, Iterator, Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.common import Scalar
 
-from protofl.federation.wire import round_seed, server_round
+from protofl.federation.client_round import ClientRound
 from protofl.task.capture import DeviceMeans, StepState
 from protofl.task.inference import features_and_logits
 from protofl.task.models import seed_dropout
@@ -67,10 +66,10 @@ class LocalTraining:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def train_model(self, config: Mapping[str, Scalar], *, model: torch.nn.Module | None = None,
+    def train_model(self, this_round: ClientRound, *, model: torch.nn.Module | None = None,
                     loss: BatchLoss | None = None, epochs: int | None = None, lr: float | None = None,
                     phase: str = "", clip_groups: list[list[torch.Tensor]] | None = None) -> float:
-        """One call of the training loop on the training split, in ``config``'s round: ``model``
+        """One call of the training loop on the training split, in ``this_round``: ``model``
         (default: the client's), its parameters with ``requires_grad`` only, with ``loss`` (default: for
         the client's model ``classification_loss`` + ``batch_loss``, collecting the class statistics of
         a ``prototype-pass`` in training; for another, cross-entropy) for ``epochs`` (default: the run's
@@ -79,7 +78,7 @@ class LocalTraining:
         run's ``max-grad-norm`` clips each group of parameters on its own (FML's two models). Returns
         the mean training loss."""
         model = self.model if model is None else model
-        kwargs = self.train_kwargs(config) | {"model": model}
+        kwargs = self.train_kwargs(this_round) | {"model": model}
         kwargs |= {"epochs": epochs} if epochs is not None else {}
         kwargs |= {"lr": lr} if lr is not None else {}
         kwargs |= {"clip_groups": clip_groups} if clip_groups is not None else {}
@@ -91,14 +90,14 @@ class LocalTraining:
         step_state = self.step_state(phase, offsets) if loss is None and model is self.model else None
         return train(x=self.data.train_x, y=self.data.train_y, loss=batch_loss, step_state=step_state, **kwargs)
 
-    def training_batches(self, config: Mapping[str, Scalar], *, model: torch.nn.Module | None = None,
+    def training_batches(self, this_round: ClientRound, *, model: torch.nn.Module | None = None,
                          batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The (inputs, labels) of one local training in ``config``'s round (``batch_size``: default
+        """The (inputs, labels) of one local training in ``this_round`` (``batch_size``: default
         the run's), in the order and with the augmentation :meth:`train_model` draws from the round's
         seed; ``model`` (default: the client's) in training mode, its dropout seeded as there. For a
         method whose step is its own (pFedMe's inner loop, Per-FedAvg's two half-batches)."""
         model = self.model if model is None else model
-        arguments = self.train_kwargs(config)
+        arguments = self.train_kwargs(this_round)
         generator = torch.Generator().manual_seed(arguments["seed"])
         # the memory format train's step runs in, whatever an eval pass left the model in
         channels_last = to_channels_last(model, self.data.train_x, arguments["channels_last"],
@@ -137,10 +136,9 @@ class LocalTraining:
         inputs = self.step_inputs() | {f"gradient-offset/{name}": t for name, t in (offsets or {}).items()}
         return StepState((type(self), repr(self.settings), phase, constants), inputs, accumulators)
 
-    def train_kwargs(self, config: Mapping[str, Scalar]) -> dict[str, Any]:
-        """The training loop's arguments in ``config``'s round."""
-        seed = round_seed(config, self.settings.seed)
-        arguments = self.settings.train_arguments(server_round(config), seed, self.options)
+    def train_kwargs(self, this_round: ClientRound) -> dict[str, Any]:
+        """The training loop's arguments in ``this_round``."""
+        arguments = self.settings.train_arguments(this_round.number, this_round.seed, self.options)
         return arguments | self.precision | {"augment": self.augment}
 
     def record_loss(self, **parts: torch.Tensor) -> None:

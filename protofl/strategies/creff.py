@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate
-from protofl.federation.wire import ArraySpec, indexed, round_seed
-from protofl.strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
-from protofl.strategies.fedper import HEAD
+from protofl.federation.wire import ArraySpec, indexed
+from protofl.strategies.families.averaging import AveragingStrategy, GlobalModelAveraging
+from protofl.strategies.families.model_parts import HEAD
 from protofl.task.models import SplitModel
 from protofl.task.server_training import shuffles
 
@@ -46,7 +47,7 @@ GRADIENT_CLASSES = "gradient-classes"  # uploaded: C booleans, the classes whose
 
 
 @dataclass(frozen=True)
-class CReFFOptions(FedAvgOptions):
+class CReFFOptions(GlobalModelAveraging):
     features_per_class: int = 100
     match_epochs: int = 100
     retrain_epochs: int = 300
@@ -152,7 +153,7 @@ def retrain_classifier(classifier: nn.Linear, features: torch.Tensor, epochs: in
 # --- server -----------------------------------------------------------------------------------
 
 
-class CReFFStrategy(FedAvgStrategy):
+class CReFFStrategy(AveragingStrategy):
     options_class = CReFFOptions
     state_fields = ("federated_features", "classifier")
 
@@ -211,16 +212,16 @@ class CReFFStrategy(FedAvgStrategy):
 # --- client -----------------------------------------------------------------------------------
 
 
-class CReFFClient(FedAvgClient):
+class CReFFClient(PrototypeClient):
     options_class = CReFFOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         head = linear_head(self.model)
-        classifier = self.received_like(config, CLASSIFIER, [p for p in head.parameters()])
+        classifier = self.received_like(this_round, CLASSIFIER, [p for p in head.parameters()])
         if classifier is None:
             raise ValueError("CReFF: the server sent no classifier")
-        self.real_gradients = self.class_gradients(classifier, round_seed(config, self.settings.seed))
+        self.real_gradients = self.class_gradients(classifier, this_round.seed)
 
     def class_gradients(self, classifier: list[torch.Tensor], seed: int) -> tuple[list[np.ndarray], np.ndarray]:
         """Eq. 3: per class held, the mean over ``gradient-repeats`` batches of ``real-batch`` of its
@@ -243,7 +244,7 @@ class CReFFClient(FedAvgClient):
                     total[c] += g / self.options.gradient_repeats
         return [g.cpu().numpy() for g in gradients], held
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)  # PM: as FedAvg's
 
     def uploads(self):

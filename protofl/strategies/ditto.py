@@ -22,8 +22,9 @@ from typing import ClassVar, Literal
 import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
-from protofl.strategies.fedprox import PROXIMAL_LOSS, proximal_term
+from protofl.federation.wire import PROXIMAL_LOSS
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
+from protofl.task.losses import proximal_term
 from protofl.task.weights import all_tensors
 
 PERSONAL = "personal/"  # local_state names of the personal model's entries
@@ -45,7 +46,7 @@ class DittoOptions(ParameterAveraging):
             raise ValueError(f"ditto.lambda must be >= 0, got {self.lambda_}")
 
 
-class DittoStrategy(FedAvgStrategy):
+class DittoStrategy(AveragingStrategy):
     options_class = DittoOptions
     loss_metrics = (PROXIMAL_LOSS,)
 
@@ -53,14 +54,14 @@ class DittoStrategy(FedAvgStrategy):
 class DittoClient(PrototypeClient):
     options_class = DittoOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.personal = copy.deepcopy(self.model)  # the initial model, until the client has its own
         self.restore_personal_model(self.personal, PERSONAL)
         self.load_shared(parameters)
         self.received = {k: v.detach().clone() for k, v in all_tensors(self.model).items()}  # w^t
 
-    def local_training(self, config):
-        loss = self.train_model(config)  # the global model, as FedAvg's
+    def local_training(self, this_round):
+        loss = self.train_model(this_round)  # the global model, as FedAvg's
         reference = self.received if self.options.reference == "received" else all_tensors(self.model)
         anchors = [reference[name].detach() for name, p in self.personal.named_parameters() if p.requires_grad]
         trained = [p for p in self.personal.parameters() if p.requires_grad]
@@ -70,14 +71,14 @@ class DittoClient(PrototypeClient):
             self.record_loss(**{PROXIMAL_LOSS: proximal})
             return F.cross_entropy(logits, labels) + self.options.lambda_ * proximal
 
-        self.train_model(config, model=self.personal, loss=personal_loss)
+        self.train_model(this_round, model=self.personal, loss=personal_loss)
         return loss
 
     def after_fit(self, statistics):
         self.store_personal_model(self.personal, PERSONAL)
         return {}
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)  # before the client's first round: the global model
         self.restore_personal_model(prefix=PERSONAL)  # PM: v_k
 

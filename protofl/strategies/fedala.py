@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.wire import round_seed, server_round
 from protofl.settings import KeptModel
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 from protofl.task.precision import to_channels_last
 from protofl.task.sampling import client_seed
 
@@ -66,18 +65,18 @@ def slice_start(n: int, size: int, seed: int) -> int:
     return int(torch.randint(0, n - size + 1, (1,), generator=torch.Generator().manual_seed(seed)).item())
 
 
-class FedALAStrategy(FedAvgStrategy):
+class FedALAStrategy(AveragingStrategy):
     options_class = FedALAOptions
 
 
 class FedALAClient(PrototypeClient):
     options_class = FedALAOptions
 
-    def receive(self, parameters, config):
-        self.adaptive_local_aggregation(parameters, round_seed(config, self.settings.seed), keep=True)
+    def receive(self, parameters, this_round):
+        self.adaptive_local_aggregation(parameters, this_round.seed, keep=True)
 
-    def prepare_evaluation(self, parameters, config):
-        scored = server_round(self.scored_round_config(config))  # as the next round's fit would start
+    def prepare_evaluation(self, parameters, this_round):
+        scored = self.scored_round(this_round).number  # as the next round's fit would start
         self.adaptive_local_aggregation(parameters, client_seed(self.settings.seed, scored + 1,
                                                                 self.data.partition_id), keep=False)
 

@@ -32,9 +32,9 @@ import torch
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy
-from protofl.federation.wire import ArraySpec, indexed
+from protofl.federation.wire import PROXIMAL_LOSS, ArraySpec, indexed
 from protofl.settings import KeptModel, MethodOptions
-from protofl.strategies.fedprox import PROXIMAL_LOSS, proximal_term
+from protofl.task.losses import proximal_term
 
 CLIENT_MODEL, CLOUD_MODEL = "client-model", "cloud-model"  # w_i (uploaded), u_i (to client i)
 
@@ -124,9 +124,9 @@ class FedAMPStrategy(PrototypeStrategy):
 class FedAMPClient(PrototypeClient):
     options_class = FedAMPOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
-        cloud = self.received_like(config, CLOUD_MODEL, self.trained)
+        cloud = self.received_like(this_round, CLOUD_MODEL, self.trained)
         self.cloud = [p.detach().clone() for p in self.trained] if cloud is None else cloud  # u_i
 
     def batch_loss(self, features, logits, labels, inputs):

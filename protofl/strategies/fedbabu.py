@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from protofl.federation.client import PrototypeClient
 from protofl.settings import ExperimentSettings, KeptModel
-from protofl.strategies.fedper import BodyAveraging, BodySharing
+from protofl.strategies.families.model_parts import BodyAveraging, BodySharing
 from protofl.task.models import SplitModel, trainable_only
 
 
@@ -47,11 +47,11 @@ class FedBABUStrategy(BodyAveraging):
 class FedBABUClient(PrototypeClient):
     options_class = FedBABUOptions
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)
         if self.options.finetune_epochs > 0:  # the whole model, head included
             with trainable_only(self.model, self.model.parameters()):
-                self.train_model(self.scored_round_config(config), epochs=self.options.finetune_epochs,
+                self.train_model(self.scored_round(this_round), epochs=self.options.finetune_epochs,
                                  phase="finetune")
 
 

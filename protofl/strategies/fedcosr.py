@@ -181,8 +181,8 @@ class FedCoSRClient(PrototypeClient):
         self.load_shared(mix_weights(self.shared_arrays(), global_phi, tau))
         return tau
 
-    def receive(self, parameters, config):
-        self.prototypes = self.global_prototypes(config)
+    def receive(self, parameters, this_round):
+        self.prototypes = self.global_prototypes(this_round)
         self.tau = self._local_aggregation(parameters, self.prototypes)
         self.contrastive_sums: list[torch.Tensor] = []
         self.contrastive_counts: list[int] = []
@@ -209,11 +209,11 @@ class FedCoSRClient(PrototypeClient):
             metrics[CONTRASTIVE_LOSS] = l_reg
         return metrics
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         """PM: the client's own model after its last local training (``after-fit``), or the model
         it would start the next round from (``after-aggregation``, PFLlib's point)."""
         if self.options.evaluate_at == "after-aggregation" or not self.has_personal_model:
-            self._local_aggregation(parameters, self.global_prototypes(config))
+            self._local_aggregation(parameters, self.global_prototypes(this_round))
 
 
 STRATEGY, CLIENT = FedCoSRStrategy, FedCoSRClient

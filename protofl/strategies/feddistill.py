@@ -26,7 +26,7 @@ import torch
 from protofl.federation.client import PrototypeClient
 from protofl.federation.wire import GLOBAL_PROTOTYPES
 from protofl.settings import KeptModel, MethodOptions
-from protofl.strategies.fedproto import FedProtoStrategy
+from protofl.strategies.families.class_vectors import ClassVectorAveraging
 from protofl.task.prototypes import PrototypeWeighting
 from protofl.task.statistics import PrototypePass
 
@@ -62,7 +62,7 @@ def distillation_loss(logits: torch.Tensor, labels: torch.Tensor, global_logits:
     return -(targets * logits.log_softmax(dim=1)).sum(dim=1).mean()
 
 
-class FedDistillStrategy(FedProtoStrategy):
+class FedDistillStrategy(ClassVectorAveraging):
     options_class = FedDistillOptions
     predictor_names = ("head",)
 
@@ -70,8 +70,8 @@ class FedDistillStrategy(FedProtoStrategy):
 class FedDistillClient(PrototypeClient):
     options_class = FedDistillOptions
 
-    def receive(self, parameters, config):
-        received = self.received_masked_vectors(config, GLOBAL_PROTOTYPES, self.data.num_classes)
+    def receive(self, parameters, this_round):
+        received = self.received_masked_vectors(this_round, GLOBAL_PROTOTYPES, self.data.num_classes)
         self.global_logits = None if received is None else (
             torch.from_numpy(received.vectors).to(self.device), torch.from_numpy(received.mask).to(self.device))
 

@@ -38,10 +38,9 @@ from torch.func import functional_call
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PayloadError
-from protofl.federation.wire import ArraySpec, indexed, round_seed
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
-from protofl.strategies.fedper import HEAD
-from protofl.strategies.lgfedavg import HeadSharing
+from protofl.federation.wire import ArraySpec, indexed
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
+from protofl.strategies.families.model_parts import HEAD, HeadSharing
 
 GENERATOR = "generator"  # broadcast: G's state_dict entries, in order
 LABEL_DISTRIBUTION = "federation-label-counts"  # broadcast: the federation's class counts (C)
@@ -103,7 +102,7 @@ def ensemble_loss(head: nn.Module, heads: list[dict[str, torch.Tensor]], weights
     return F.cross_entropy(logits, labels)
 
 
-class FedGenStrategy(FedAvgStrategy):
+class FedGenStrategy(AveragingStrategy):
     options_class = FedGenOptions
     state_fields = ("generator", "label_counts")
 
@@ -173,20 +172,20 @@ class FedGenStrategy(FedAvgStrategy):
 class FedGenClient(PrototypeClient):
     options_class = FedGenOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         self.generated = None
         o = self.options
         like = Generator(o.noise_dim, self.data.num_classes, o.hidden_dim, self.model.feature_dim)
         like = like.to(self.device, next(self.model.parameters()).dtype)
         names = generator_entries(like)
-        entries = self.received_like(config, GENERATOR, list(names.values()))
-        distribution = self.received(config, LABEL_DISTRIBUTION, ArraySpec((self.data.num_classes,), ("int64",), True))
+        entries = self.received_like(this_round, GENERATOR, list(names.values()))
+        distribution = self.received(this_round, LABEL_DISTRIBUTION, ArraySpec((self.data.num_classes,), ("int64",), True))
         if entries is None or distribution is None or distribution.sum() == 0:
             return
         like.load_state_dict(dict(zip(names, entries)), strict=False)
         like.requires_grad_(False)
-        draws = torch.Generator(device=self.device).manual_seed(round_seed(config, self.settings.seed))
+        draws = torch.Generator(device=self.device).manual_seed(this_round.seed)
         self.generated = (like.train(), torch.from_numpy(distribution).to(self.device, torch.float64), draws)
 
     def batch_loss(self, features, logits, labels, inputs):

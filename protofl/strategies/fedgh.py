@@ -26,8 +26,8 @@ from torch.func import functional_call
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
-from protofl.strategies.fedper import HEAD
-from protofl.strategies.lgfedavg import HeadSharing
+from protofl.strategies.families.model_parts import HEAD, HeadSharing
+from protofl.task.prototypes import prototype_pairs
 from protofl.task.server_training import minibatch_sgd, shuffles
 
 
@@ -43,13 +43,6 @@ class FedGHOptions(HeadSharing):
             raise ValueError(f"fedgh.server-epochs must be >= 0, got {self.server_epochs}")
         if not self.server_lr > 0:
             raise ValueError(f"fedgh.server-lr must be > 0, got {self.server_lr}")
-
-
-def prototype_pairs(means: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The (prototype, class) pairs of K clients' class statistics (K x C x d means, K x C counts):
-    each client's classes it holds, client by client, class by class."""
-    clients, classes = np.nonzero(counts > 0)
-    return means[clients, classes], classes
 
 
 def train_head(head: torch.nn.Module, weights: dict[str, torch.Tensor], prototypes: torch.Tensor,

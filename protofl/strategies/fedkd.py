@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.federation.server import ClientUpdate
-from protofl.federation.wire import PayloadError, server_round
-from protofl.strategies.fedavg import FedAvgStrategy
-from protofl.strategies.fml import SHARED_LOSS, SecondModel, SecondModelClient, mean_kl
+from protofl.federation.wire import SHARED_LOSS, PayloadError
+from protofl.strategies.families.averaging import AveragingStrategy
+from protofl.strategies.families.second_model import SecondModel, SecondModelClient
+from protofl.task.losses import mean_kl
 from protofl.task.models import SeededDraws
 
 HIDDEN_MAP = "hidden-map/"  # local_state names of W_h's entries
@@ -110,7 +111,7 @@ def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: to
     return mentor + mentee, mentee
 
 
-class FedKDStrategy(FedAvgStrategy):
+class FedKDStrategy(AveragingStrategy):
     options_class = FedKDOptions
     loss_metrics = (SHARED_LOSS,)
 
@@ -131,22 +132,22 @@ class FedKDStrategy(FedAvgStrategy):
 class FedKDClient(SecondModelClient):
     options_class = FedKDOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         with SeededDraws(self.settings.seed):  # W_h's initial values, until the client has its own
             self.hidden_map = nn.Linear(self.exchanged.feature_dim, self.model.feature_dim, bias=False)
         self.hidden_map.to(self.device, next(self.model.parameters()).dtype)
         self.restore_personal_model(self.hidden_map, HIDDEN_MAP)
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         def loss(inputs, features, logits, labels):
             shared_features, shared_logits = self.exchanged(inputs)
             total, mentee = fedkd_loss(features, logits, shared_features, shared_logits, labels, self.hidden_map)
             self.record_loss(**{SHARED_LOSS: mentee})
             return total
 
-        self.upload_energy = self.options.energy(server_round(config))
-        return self.train_together(config, loss, self.hidden_map)
+        self.upload_energy = self.options.energy(this_round.number)
+        return self.train_together(this_round, loss, self.hidden_map)
 
     def after_fit(self, statistics):
         self.store_personal_model(self.hidden_map, HIDDEN_MAP)

@@ -196,9 +196,9 @@ class FedNHStrategy(PrototypeStrategy):
 class FedNHClient(PrototypeClient):
     options_class = FedNHOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
-        prototypes = self.received_class_vectors(config, PROTOTYPES)
+        prototypes = self.received_class_vectors(this_round, PROTOTYPES)
         if prototypes is None:
             raise ValueError("FedNH: the server sent no prototypes")
         self.model.head.prototypes.copy_(torch.from_numpy(prototypes))

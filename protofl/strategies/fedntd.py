@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 from protofl.task.weights import all_tensors
 
 NTD_LOSS = "ntd-loss"
@@ -60,7 +60,7 @@ def not_true_distillation(
     return temperature**2 * divergence
 
 
-class FedNTDStrategy(FedAvgStrategy):
+class FedNTDStrategy(AveragingStrategy):
     options_class = FedNTDOptions
     loss_metrics = (NTD_LOSS,)
 
@@ -68,11 +68,11 @@ class FedNTDStrategy(FedAvgStrategy):
 class FedNTDClient(PrototypeClient):
     options_class = FedNTDOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         self.global_model = self.frozen_copy().eval()
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)  # PM: the global model, as FedAvg's (no reference copy to build)
 
     def batch_loss(self, features, logits, labels, inputs):

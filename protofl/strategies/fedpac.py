@@ -35,9 +35,9 @@ import torch
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, stacked_statistics
-from protofl.federation.wire import GLOBAL_PROTOTYPES, ArraySpec, ClassVectors, indexed, server_round
-from protofl.strategies.fedper import HEAD, BodyAveraging, BodySharing
-from protofl.strategies.fedproto import prototype_loss
+from protofl.federation.wire import GLOBAL_PROTOTYPES, ArraySpec, ClassVectors, indexed
+from protofl.strategies.families.model_parts import HEAD, BodyAveraging, BodySharing
+from protofl.task.losses import prototype_loss
 from protofl.task.models import trainable_only
 from protofl.task.prototypes import aggregate_prototypes
 from protofl.task.quadratic import simplex_minimum
@@ -133,19 +133,19 @@ class FedPACStrategy(BodyAveraging):
 class FedPACClient(PrototypeClient):
     options_class = FedPACOptions
 
-    def receive(self, parameters, config):
-        self.prepare_evaluation(parameters, config)
+    def receive(self, parameters, this_round):
+        self.prepare_evaluation(parameters, this_round)
         features, _ = self.forward(self.data.train_x)  # the received body's
         self.variance, self.centroids = feature_statistics(features, self.data.train_y, self.data.num_classes)
-        self.received_prototypes = self.global_prototypes(config)
+        self.received_prototypes = self.global_prototypes(this_round)
         self.head_phase = False
-        self.fit_round = server_round(config)
+        self.fit_round = this_round.number
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)  # the global body under the client's head
         head = self.head_parameters()
-        combined = self.received_like(config, COMBINED_HEAD, head)
-        made = self.received(config, COMBINED_ROUND, ArraySpec((1,), ("int64",)))
+        combined = self.received_like(this_round, COMBINED_HEAD, head)
+        made = self.received(this_round, COMBINED_ROUND, ArraySpec((1,), ("int64",)))
         last = self.local_state.get(LAST_FIT)
         if combined is not None and made is not None and last is not None and int(made[0]) == int(last[0]):
             with torch.no_grad():
@@ -154,15 +154,15 @@ class FedPACClient(PrototypeClient):
     def head_parameters(self) -> list[torch.nn.Parameter]:
         return [p for name, p in self.model.named_parameters() if name.startswith(HEAD) and p.requires_grad]
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         head = self.head_parameters()
         body = [p for name, p in self.model.named_parameters() if not name.startswith(HEAD)]
         self.head_phase = True
         with trainable_only(self.model, head):  # Eq. 7: one epoch, the body frozen
-            self.train_model(config, epochs=1, phase="head")
+            self.train_model(this_round, epochs=1, phase="head")
         self.head_phase = False
         with trainable_only(self.model, body):  # Eq. 5: the body, the head frozen
-            return self.train_model(config, phase="body")
+            return self.train_model(this_round, phase="body")
 
     def batch_loss(self, features, logits, labels, inputs):
         if self.head_phase or self.received_prototypes is None or self.options.lambda_ <= 0:

@@ -14,35 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from protofl.federation.client import PrototypeClient
-from protofl.settings import KeptModel
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
-
-HEAD = "head."  # the state_dict entries of the classifier (SplitModel.head)
-
-
-@dataclass(frozen=True)
-class BodySharing(ParameterAveraging):
-    """A method whose clients share the body and keep their heads (FedPer, FedRep, FedRoD)."""
-
-    keeps_model: ClassVar[KeptModel] = "trains"  # its head; the body is loaded over it
-
-    def shares(self, name: str) -> bool:
-        return not name.startswith(HEAD)
+from protofl.strategies.families.model_parts import BodyAveraging, BodySharing
 
 
 @dataclass(frozen=True)
 class FedPerOptions(BodySharing):
     capturable: ClassVar[bool] = True  # no batch loss
-
-
-class BodyAveraging(FedAvgStrategy):
-    """FedAvg over the shared entries; GM: them with the initial head."""
-
-    def global_model_weights(self, shared: list[np.ndarray]) -> list[np.ndarray] | None:
-        return self.with_initial_entries(shared)
 
 
 class FedPerStrategy(BodyAveraging):

@@ -22,15 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import numpy as np
-import torch
-
-from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
-from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.settings import KeptModel, MethodOptions
-from protofl.task.prototypes import PrototypeWeighting, aggregate_prototypes
-from protofl.task.inference import head_prediction, nearest_prototype
+from protofl.strategies.families.class_vectors import ClassVectorAveraging, PrototypeLossClient
+from protofl.task.prototypes import PrototypeWeighting
 from protofl.task.statistics import PrototypePass
 
 
@@ -53,69 +47,13 @@ class FedProtoOptions(MethodOptions):
         return self.average_parameters
 
 
-def prototype_loss(
-    features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """MSE between each feature and its label's global prototype, averaged over batch x d.
-
-    Samples whose class has no global prototype contribute zero (as PFLlib's FedProto).
-    """
-    has_prototype = mask[labels].unsqueeze(1).to(features.dtype)
-    return ((features - prototypes[labels]) ** 2 * has_prototype).sum() / features.numel()
-
-
-class FedProtoStrategy(PrototypeStrategy):
+class FedProtoStrategy(ClassVectorAveraging):
     options_class = FedProtoOptions
-    state_fields = ("global_prototypes",)
     predictor_names = ("head", "prototype")
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.global_prototypes: ClassVectors | None = None
 
-    def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
-        return self.global_prototypes.to_config(GLOBAL_PROTOTYPES) if self.global_prototypes else {}
-
-    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
-        prototypes, mask = aggregate_prototypes(  # Eq. 5
-            *stacked_statistics(updates), self.options.weighting, **self.prototype_rule
-        )
-        self.global_prototypes = ClassVectors(prototypes, mask)
-        return self.average_parameters(updates) if self.has_global_model else None
-
-
-class FedProtoClient(PrototypeClient):
+class FedProtoClient(PrototypeLossClient):
     options_class = FedProtoOptions
-
-    def receive(self, parameters, config):
-        self.load_shared(parameters)
-        self.received_prototypes = self.global_prototypes(config)
-        if self.received_prototypes is not None and self.options.prototype_classes == "own":
-            # only this client's classes may be predicted; its training labels are all among them,
-            # so the prototype loss is unchanged
-            prototypes, available = self.received_prototypes
-            held = torch.from_numpy(self.data.class_counts() > 0).to(available.device)
-            self.received_prototypes = (prototypes, available & held)
-
-    def batch_loss(self, features, logits, labels, inputs):
-        if self.received_prototypes is None or self.options.lambda_ <= 0:
-            return None
-        return self.options.lambda_ * prototype_loss(features, labels, *self.received_prototypes)
-
-    def step_constants(self):
-        return self.received_prototypes is None
-
-    def step_inputs(self):
-        if self.received_prototypes is None:
-            return {}
-        prototypes, available = self.received_prototypes
-        return {"received_prototypes": prototypes, "available_classes": available}
-
-    def predictors(self):
-        predictors = {"head": head_prediction}
-        if self.received_prototypes is not None:
-            predictors["prototype"] = lambda f, _logits: nearest_prototype(f, *self.received_prototypes)
-        return predictors
 
 
 STRATEGY, CLIENT = FedProtoStrategy, FedProtoClient

@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from protofl.federation.client import PrototypeClient
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
-
-PROXIMAL_LOSS = "proximal-loss"
+from protofl.federation.wire import PROXIMAL_LOSS
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
+from protofl.task.losses import proximal_term
 
 
 @dataclass(frozen=True)
@@ -36,12 +34,7 @@ class FedProxOptions(ParameterAveraging):
             raise ValueError(f"fedprox.mu must be >= 0, got {self.mu}")
 
 
-def proximal_term(parameters: list[torch.Tensor], anchors: list[torch.Tensor]) -> torch.Tensor:
-    """||w - w^t||^2 / 2 over every parameter (Eq. 2 without mu)."""
-    return sum(((p - a) ** 2).sum() for p, a in zip(parameters, anchors)) / 2
-
-
-class FedProxStrategy(FedAvgStrategy):
+class FedProxStrategy(AveragingStrategy):
     options_class = FedProxOptions
     loss_metrics = (PROXIMAL_LOSS,)
 
@@ -49,13 +42,13 @@ class FedProxStrategy(FedAvgStrategy):
 class FedProxClient(PrototypeClient):
     options_class = FedProxOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
         self.anchors = [p.detach().clone() for p in self.trained]  # w^t
 
     def batch_loss(self, features, logits, labels, inputs):
-        proximal = proximal_term(self.trained, self.anchors)
+        proximal = proximal_term(self.trained, self.anchors)  # Eq. 2 without mu
         self.record_loss(**{PROXIMAL_LOSS: proximal})
         return self.options.mu * proximal
 

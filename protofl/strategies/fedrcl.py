@@ -33,7 +33,7 @@ from torch import nn
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.wire import CONTRASTIVE_LOSS
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 from protofl.task.models import BasicBlock, SplitModel
 
 PENALTY_LOSS = "penalty-loss"
@@ -106,7 +106,7 @@ def relaxed_contrastive_terms(
     return contrastive, penalty
 
 
-class FedRCLStrategy(FedAvgStrategy):
+class FedRCLStrategy(AveragingStrategy):
     options_class = FedRCLOptions
     loss_metrics = (CONTRASTIVE_LOSS, PENALTY_LOSS)
 
@@ -118,7 +118,7 @@ class FedRCLStrategy(FedAvgStrategy):
 class FedRCLClient(PrototypeClient):
     options_class = FedRCLOptions
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         """The round's training with a hook on each feature level, removed after it (the model is
         the process's kept one: the next message's client must not find them)."""
         self.activations: list[torch.Tensor] = []
@@ -127,7 +127,7 @@ class FedRCLClient(PrototypeClient):
         hooks = [m.register_forward_hook(lambda _m, _in, out: self.activations.append(out.clone()))
                  for m in feature_levels(self.model, self.options.levels)]
         try:
-            return self.train_model(config)
+            return self.train_model(this_round)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from protofl.federation.client import PrototypeClient
-from protofl.strategies.fedper import HEAD, BodyAveraging, BodySharing
+from protofl.strategies.families.model_parts import HEAD, BodyAveraging, BodySharing
 from protofl.task.models import trainable_only
 
 
@@ -38,14 +38,14 @@ class FedRepStrategy(BodyAveraging):
 class FedRepClient(PrototypeClient):
     options_class = FedRepOptions
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         head = [p for name, p in self.model.named_parameters() if name.startswith(HEAD)]
         body = [p for name, p in self.model.named_parameters() if not name.startswith(HEAD)]
         if self.options.head_epochs > 0:
             with trainable_only(self.model, head):  # the head, the body received frozen
-                self.train_model(config, epochs=self.options.head_epochs, phase="head")
+                self.train_model(this_round, epochs=self.options.head_epochs, phase="head")
         with trainable_only(self.model, body):  # then the body, the head frozen
-            return self.train_model(config, phase="body")
+            return self.train_model(this_round, phase="body")
 
 
 STRATEGY, CLIENT = FedRepStrategy, FedRepClient

@@ -32,8 +32,8 @@ from torch import nn
 
 from protofl.federation.client import PrototypeClient
 from protofl.settings import ExperimentSettings, KeptModel
-from protofl.strategies.fedavg import ParameterAveraging
-from protofl.strategies.fedper import BodyAveraging
+from protofl.strategies.families.averaging import ParameterAveraging
+from protofl.strategies.families.model_parts import BodyAveraging
 from protofl.task.inference import head_prediction
 from protofl.task.models import SeededDraws, SplitModel, trainable_only
 from protofl.task.sampling import server_seed
@@ -104,7 +104,7 @@ class FedRoDClient(PrototypeClient):
     options_class = FedRoDOptions
     generic_only = False  # the first phase of personal-training = "separate"
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         self.distribution = label_distribution(self.data.class_counts()).to(self.device)
 
@@ -122,18 +122,18 @@ class FedRoDClient(PrototypeClient):
         """Eq. 6: the cross-entropy of g(z) + p(z), g(z) and z detached: only p learns from it."""
         return F.cross_entropy(logits.detach() + self.personal_logits(features.detach()), labels)
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         if self.options.personal_training == "joint":
-            return self.train_model(config)
+            return self.train_model(this_round)
         personal = {id(p) for p in self.personal_parameters()}
         try:  # FedNH's code: every epoch of the generic model, then every epoch of p
             self.generic_only = True
             with trainable_only(self.model, [p for p in self.model.parameters() if id(p) not in personal]):
-                self.train_model(config, phase="generic")
+                self.train_model(this_round, phase="generic")
         finally:
             self.generic_only = False
         with trainable_only(self.model, self.personal_parameters()):
-            return self.train_model(config, phase="personal",
+            return self.train_model(this_round, phase="personal",
                                     loss=lambda inputs, features, logits, labels: self.personal_loss(
                                         features, logits, labels))
 

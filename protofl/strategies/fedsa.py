@@ -211,14 +211,14 @@ class FedSAClient(PrototypeClient):
         super().__init__(*args, **kwargs)
         self.lambda_mcl = self.options.mcl_weight(self.settings)
 
-    def receive(self, parameters, config):
-        anchors = self.received_class_vectors(config, ANCHORS)
+    def receive(self, parameters, this_round):
+        anchors = self.received_class_vectors(this_round, ANCHORS)
         if anchors is None:
             raise ValueError("FedSA: the server sent no anchors")
         # the wire's float32 anchors in the model's dtype: the losses mix them with its features and head
         self.anchors = torch.from_numpy(anchors).to(self.device, next(self.model.parameters()).dtype)
         self.margin = self._margin(self.anchors)
-        self.received_prototypes = self.global_prototypes(config)
+        self.received_prototypes = self.global_prototypes(this_round)
 
     def _margin(self, anchors: torch.Tensor) -> float:
         """d* = max(global anchor margin, this client's margin of its last uploaded prototypes)."""

@@ -194,14 +194,14 @@ class FedSCStrategy(PrototypeStrategy):
 class FedSCClient(PrototypeClient):
     options_class = FedSCOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         """The global model and (relational prototypes, their labels, consistent prototypes, their
         mask); the prototypes are None before the server has any (round 1)."""
         self.load_shared(parameters)
         num_classes, dim = self.data.num_classes, self.model.feature_dim
-        relational = self.received(config, RELATIONAL_PROTOTYPES, ArraySpec((None, dim)))
-        labels = self.received(config, RELATIONAL_LABELS, ArraySpec((None,), ("int64",), nonnegative=True))
-        consistent = self.received_masked_vectors(config, CONSISTENT_PROTOTYPES)
+        relational = self.received(this_round, RELATIONAL_PROTOTYPES, ArraySpec((None, dim)))
+        labels = self.received(this_round, RELATIONAL_LABELS, ArraySpec((None,), ("int64",), nonnegative=True))
+        consistent = self.received_masked_vectors(this_round, CONSISTENT_PROTOTYPES)
         self.server_prototypes = None
         if relational is None or labels is None or consistent is None:
             return

@@ -37,6 +37,7 @@ the code's switches against numbers the authors' code computed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import ClassVar, Literal
@@ -44,11 +45,10 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.common.logger import log
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
-from protofl.federation.wire import ClassStatistics, ClassVectors, server_round
+from protofl.federation.wire import ClassStatistics, ClassVectors
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import SimilarityNorm, multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
 from protofl.task.robust import RobustRule, robust_mean
@@ -57,6 +57,7 @@ from protofl.task.statistics import PostOrLastEpochPass
 GLOBAL_KNOWLEDGE = "global-knowledge"  # ClassVectors, C x C, in the fit config only
 LCL_LOSS = "lcl-loss"
 LclForm = Literal["paper", "code"]
+LOGGER = logging.getLogger("flwr")  # Flower's console logger, by name: a method file imports no Flower
 # the classes whose knowledge variance GPR's rho sums: those present in both rounds, or each round's own
 VarianceClasses = Literal["both-rounds", "each-round"]
 
@@ -221,7 +222,7 @@ class FedSKCStrategy(PrototypeStrategy):
         state = self.model.state_dict()
         every_float = self.options.gpr_entries == "all"  # BatchNorm statistics too (the code)
         self.reviewed = [name in parameters or (every_float and state[name].is_floating_point()) for name in state]
-        log(WARNING if self.options.gpr_form == "paper" and self.options.use_gpr else INFO, forms_line(self.options))
+        LOGGER.log(WARNING if self.options.gpr_form == "paper" and self.options.use_gpr else INFO, forms_line(self.options))
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return self.knowledge.to_config(GLOBAL_KNOWLEDGE) if self.knowledge else {}
@@ -260,11 +261,11 @@ class FedSKCStrategy(PrototypeStrategy):
 class FedSKCClient(PrototypeClient):
     options_class = FedSKCOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         """The global model, the available classes' knowledge vectors and their class ids (None
         before there is any), and LCL's weight this round."""
         self.load_shared(parameters)
-        received = self.received_masked_vectors(config, GLOBAL_KNOWLEDGE, dim=self.data.num_classes)
+        received = self.received_masked_vectors(this_round, GLOBAL_KNOWLEDGE, dim=self.data.num_classes)
         self.global_knowledge = None
         if self.options.use_lcl and received is not None and received.mask.any():
             classes = np.flatnonzero(received.mask)
@@ -273,7 +274,7 @@ class FedSKCClient(PrototypeClient):
                 torch.from_numpy(classes).to(self.device),
             )
         warmup = self.options.lcl_warmup_rounds
-        self.lcl_weight = self.options.lambda_lcl * (min(server_round(config) / warmup, 1.0) if warmup > 0 else 1.0)
+        self.lcl_weight = self.options.lambda_lcl * (min(this_round.number / warmup, 1.0) if warmup > 0 else 1.0)
 
     def batch_loss(self, features, logits, labels, inputs):
         if self.global_knowledge is None:

@@ -35,9 +35,8 @@ from torch import nn
 from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.settings import KeptModel, MethodOptions
-from protofl.strategies.fedgh import prototype_pairs
-from protofl.strategies.fedproto import FedProtoClient
-from protofl.task.prototypes import aggregate_prototypes
+from protofl.strategies.families.class_vectors import PrototypeLossClient
+from protofl.task.prototypes import aggregate_prototypes, prototype_pairs
 from protofl.task.server_training import minibatch_sgd, shuffles
 
 
@@ -141,7 +140,7 @@ class FedTGPStrategy(PrototypeStrategy):
         return None
 
 
-class FedTGPClient(FedProtoClient):
+class FedTGPClient(PrototypeLossClient):
     options_class = FedTGPOptions
 
 

@@ -14,21 +14,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from protofl.federation.client import PrototypeClient
-from protofl.settings import KeptModel, MethodOptions
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
-from protofl.strategies.fedper import HEAD
-
-
-@dataclass(frozen=True)
-class HeadSharing(MethodOptions):
-    """A method whose clients share the head and keep their bodies (LG-FedAvg, FedGen, FedGH): any
-    architecture whose features have the run's size."""
-
-    keeps_model: ClassVar[KeptModel] = "trains"  # its body; the head is loaded over it
-    shares_across_architectures: ClassVar[bool] = True
-
-    def shares(self, name: str) -> bool:
-        return name.startswith(HEAD)
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
+from protofl.strategies.families.model_parts import HeadSharing
 
 
 @dataclass(frozen=True)
@@ -36,7 +23,7 @@ class LGFedAvgOptions(HeadSharing, ParameterAveraging):
     capturable: ClassVar[bool] = True  # no batch loss
 
 
-class LGFedAvgStrategy(FedAvgStrategy):
+class LGFedAvgStrategy(AveragingStrategy):
     options_class = LGFedAvgOptions
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from protofl.federation.client import PrototypeClient
 from protofl.federation.wire import CONTRASTIVE_LOSS
 from protofl.settings import KeptModel
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 from protofl.task.weights import all_tensors
 
 
@@ -58,7 +58,7 @@ def model_contrastive_loss(
                            reduction="none")
 
 
-class MOONStrategy(FedAvgStrategy):
+class MOONStrategy(AveragingStrategy):
     options_class = MOONOptions
     loss_metrics = (CONTRASTIVE_LOSS,)
 
@@ -66,12 +66,12 @@ class MOONStrategy(FedAvgStrategy):
 class MOONClient(PrototypeClient):
     options_class = MOONOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.previous_model = self.frozen_copy(self.stored_model())  # its last trained model, or the initial one
         self.load_shared(parameters)
         self.global_model = self.frozen_copy()
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)  # PM: the global model, as FedAvg's
 
     def batch_loss(self, features, logits, labels, inputs):

@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.wire import server_round
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class PerFedAvgOptions(ParameterAveraging):
         return {key: settings.lr for key in ("alpha", "beta") if getattr(self, key) == "auto"}
 
 
-class PerFedAvgStrategy(FedAvgStrategy):
+class PerFedAvgStrategy(AveragingStrategy):
     options_class = PerFedAvgOptions
 
 
@@ -69,12 +68,12 @@ def gradient_step(parameters: list[torch.Tensor], loss: torch.Tensor, step_size:
 class PerFedAvgClient(PrototypeClient):
     options_class = PerFedAvgOptions
 
-    def local_training(self, config):
-        alpha, beta = self.options.step_sizes(self.settings.round_lr(server_round(config)))
+    def local_training(self, this_round):
+        alpha, beta = self.options.step_sizes(this_round.lr)
         w = [p for p in self.model.parameters() if p.requires_grad]
         half = self.settings.batch_size
         total, halves = torch.zeros((), device=self.device), 0
-        for inputs, labels in self.training_batches(config, batch_size=2 * half):
+        for inputs, labels in self.training_batches(this_round, batch_size=2 * half):
             if len(labels) <= half:
                 continue  # no D'
             start = [p.detach().clone() for p in w]
@@ -89,11 +88,11 @@ class PerFedAvgClient(PrototypeClient):
             halves += 2
         return float(total) / max(halves, 1)
 
-    def prepare_evaluation(self, parameters, config):
-        self.receive(parameters, config)
-        config = self.scored_round_config(config)
-        alpha, _ = self.options.step_sizes(self.settings.round_lr(server_round(config)))
-        inputs, labels = next(iter(self.training_batches(config)))
+    def prepare_evaluation(self, parameters, this_round):
+        self.receive(parameters, this_round)
+        this_round = self.scored_round(this_round)
+        alpha, _ = self.options.step_sizes(this_round.lr)
+        inputs, labels = next(iter(self.training_batches(this_round)))
         w = [p for p in self.model.parameters() if p.requires_grad]
         gradient_step(w, F.cross_entropy(self.model(inputs)[1], labels), alpha)  # one step of adaptation
 

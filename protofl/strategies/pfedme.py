@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.wire import server_round
 from protofl.settings import KeptModel
-from protofl.strategies.fedavg import FedAvgStrategy, ParameterAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class PFedMeOptions(ParameterAveraging):
             raise ValueError(f"pfedme.personal-lr and pfedme.beta must be > 0, got {self.personal_lr} and {self.beta}")
 
 
-class PFedMeStrategy(FedAvgStrategy):
+class PFedMeStrategy(AveragingStrategy):
     options_class = PFedMeOptions
 
     def aggregate_updates(self, server_round, updates):
@@ -68,17 +67,17 @@ class PFedMeClient(PrototypeClient):
     def exchanged_model(self):
         return copy.deepcopy(self.model)  # w; the client's own model is theta
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)  # w
         self.model.load_state_dict(self.exchanged.state_dict())  # theta starts from it
 
-    def local_training(self, config):
+    def local_training(self, this_round):
         o = self.options
-        lr = self.settings.round_lr(server_round(config))
+        lr = this_round.lr
         theta = [p for p in self.model.parameters() if p.requires_grad]
         w = [p for p in self.exchanged.parameters() if p.requires_grad]
         total, steps = torch.zeros((), device=self.device), 0
-        for inputs, labels in self.training_batches(config):
+        for inputs, labels in self.training_batches(this_round):
             for _ in range(o.k):  # Eq. 7, approximately
                 loss = F.cross_entropy(self.model(inputs)[1], labels)
                 gradients = torch.autograd.grad(loss, theta)

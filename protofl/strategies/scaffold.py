@@ -34,7 +34,7 @@ import numpy as np
 
 from protofl.federation.client import PrototypeClient
 from protofl.federation.server import ClientUpdate, PrototypeStrategy
-from protofl.federation.wire import ArraySpec, PayloadError, indexed, server_round
+from protofl.federation.wire import ArraySpec, PayloadError, indexed
 from protofl.settings import MethodOptions
 from protofl.task.train import steps_per_epoch
 
@@ -135,19 +135,19 @@ class SCAFFOLDStrategy(PrototypeStrategy):
 class SCAFFOLDClient(PrototypeClient):
     options_class = SCAFFOLDOptions
 
-    def receive(self, parameters, config):
+    def receive(self, parameters, this_round):
         self.load_shared(parameters)
         self.trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.start = [p.detach().cpu().numpy().copy() for _, p in self.trained]  # x
-        control = self.received_like(config, CONTROL, [p for _, p in self.trained])
-        applied = self.received(config, APPLIED, ArraySpec((1,), ("int64",)))
+        control = self.received_like(this_round, CONTROL, [p for _, p in self.trained])
+        applied = self.received(this_round, APPLIED, ArraySpec((1,), ("int64",)))
         if control is None or applied is None:
             raise ValueError("SCAFFOLD: the server sent no control variate or no applied round")
         self.control = control  # c
         self.settle_control(int(applied[0]))
         self.client_control = [self.local_state.get(CLIENT_CONTROL + n, np.zeros_like(x))
                                for (n, _), x in zip(self.trained, self.start)]  # c_i
-        self.round = server_round(config)
+        self.round = this_round.number
         self.lr = self.settings.round_lr(self.round)  # eta
 
     def settle_control(self, applied_round: int) -> None:
@@ -158,7 +158,7 @@ class SCAFFOLDClient(PrototypeClient):
         if pending_round is not None and int(pending_round[0]) == applied_round:
             self.local_state.update({CLIENT_CONTROL + n: c for n, c in pending.items()})
 
-    def prepare_evaluation(self, parameters, config):
+    def prepare_evaluation(self, parameters, this_round):
         self.load_shared(parameters)  # the global model, as FedAvg's; c_i stays as the last fit left it
 
     def gradient_offsets(self):

@@ -176,3 +176,11 @@ def sigmoid_discrepancy_weights(sizes: np.ndarray, discrepancies: np.ndarray, fo
         sigmoid = np.exp(log_sigmoid - log_sigmoid.max())
         total = sigmoid.sum()
     return sigmoid / total
+
+
+def prototype_pairs(means: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (prototype, class) pairs of K clients' class statistics (K x C x d means, K x C counts):
+    each client's classes it holds, client by client, class by class (FedGH's and FedTGP's server
+    training data)."""
+    clients, classes = np.nonzero(counts > 0)
+    return means[clients, classes], classes
