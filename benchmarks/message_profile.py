@@ -9,8 +9,10 @@ Every message runs on one thread, as a ClientApp runs them (Flower's in-process 
 each round on new threads, whose first messages then build their model and capture their step
 anew). Phases (inclusive; a phase inside another counts in both): the whole message, the client's data
 (from the process cache) and model (kept, set back to its initial values), reading and saving the
-client's state (the personal model), loading what the server sent, training, the BatchNorm
-statistics recomputed (``batchnorm-stats``), the class statistics, the shared arrays going up. On
+client's state (the personal model), loading what the server sent, the model copied out and back
+around a score that rides in a fit message (where it is not the model training starts from),
+training, the BatchNorm statistics recomputed (``batchnorm-stats``), the class statistics, the
+shared arrays going up. On
 CUDA each phase starts and ends with ``torch.cuda.synchronize()``, so that the GPU work it queued
 counts in it. Round 1 (data loading, CUDA set-up, the first capture) is left out of the means.
 Writes ``message_profile.json`` under ``--out``. ``--cprofile N`` and ``--torch-profile N`` also
@@ -56,6 +58,8 @@ PHASES = {  # name: (object, attribute) wrapped; None: the method's client class
     "state read": (ClientStateStore, "load"),
     "state save": (ClientStateStore, "save"),
     "receive": (None, "receive"),
+    "model copied out": (client_module, "tensor_copies"),
+    "model copied back": (client_module, "copy_tensors"),
     "train": (client_training, "train"),
     "batchnorm recompute": (client_module, "recompute_batchnorm_stats"),
     "statistics": (None, "local_statistics"),

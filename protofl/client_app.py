@@ -1,4 +1,5 @@
-"""ClientApp: one NumPyClient of the configured method per partition.
+"""ClientApp: the configured method's client of each partition, behind a ``NumPyClient`` front
+(:class:`~protofl.federation.numpy_front.NumPyFront`).
 
 The node's ``--node-config`` (in simulation: Flower's own) names the node's data:
 
@@ -34,12 +35,14 @@ from logging import INFO
 from typing import Any, Callable, Mapping
 
 import torch
-from flwr.client import Client, ClientApp, NumPyClient
+from flwr.client import Client, ClientApp
 from flwr.common import Context, Message
 from flwr.common.logger import log
 
 from protofl.federation.client_state import ClientStateStore
-from protofl.federation.training_worker import WorkerProxy, training_worker_for
+from protofl.federation.client import PrototypeClient
+from protofl.federation.numpy_front import NumPyFront
+from protofl.federation.training_worker import training_worker_for
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
@@ -56,17 +59,17 @@ def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Con
         settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
         submit = training_worker_for(settings, context.node_config, context.run_id, build_client)
         if submit is not None:  # clients-in-flight: its GPU's training worker trains it
-            return WorkerProxy(submit).to_client()
+            return NumPyFront(submit).to_client()
         # a Ray simulation hands each partition's messages to any of its ClientApps: one would find
         # the partition's last state in its memory about once in as many messages as there are of them
-        return build_client(settings, context.node_config, context.state,
-                            keep_state_in_memory=ray_cpus() is None).to_client()
+        return NumPyFront.over(build_client(settings, context.node_config, context.state,
+                                            keep_state_in_memory=ray_cpus() is None)).to_client()
 
     return client_fn
 
 
 def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], state: Any,
-                 keep_state_in_memory: bool = True) -> NumPyClient:
+                 keep_state_in_memory: bool = True) -> PrototypeClient:
     """The configured method's client of this node's partition (``state``: the node's
     ``context.state``, read with ``state-dir = "memory"`` only; ``keep_state_in_memory``: this
     process keeps the state it saves and reads, up to ``kept-state-mb``, for the partition's next

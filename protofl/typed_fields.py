@@ -11,6 +11,9 @@ import types
 import typing
 from typing import Any, Literal, Mapping, get_args, get_origin
 
+Scalar = bool | bytes | float | int | str  # a config or metrics value (as Flower's ``Scalar``)
+
+
 def _describe(annotation: Any) -> str:
     if get_origin(annotation) is Literal:
         return f"one of {get_args(annotation)}"

@@ -1,6 +1,8 @@
 """The client template, through FedProto's and FedAvg's hooks, on real digits data without
 Flower's runtime."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from protofl.federation.wire import (
     ClassVectors,
     decode_array,
     encode_array,
+    evaluation_as_fit_metrics,
 )
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgClient
@@ -159,7 +162,7 @@ def test_a_node_builds_its_family_member_or_the_architecture_its_node_config_nam
     def client(partition_id, **node_config):
         node_config = {"partition-id": partition_id, "num-partitions": 3, **node_config}
         context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
-        return make_client_fn({"dataset": "digits", "method": "fedsa", "model": "htfe2"})(context).numpy_client
+        return make_client_fn({"dataset": "digits", "method": "fedsa", "model": "htfe2"})(context).numpy_client.client
 
     def linear_inputs(c):
         return [m.in_features for m in c.model.body.modules() if isinstance(m, torch.nn.Linear)]
@@ -275,3 +278,30 @@ def test_a_message_is_decoded_once_into_the_typed_round_the_hooks_read():
     assert client.scored_round(evaluate) is evaluate
     first = client.round_of({})
     assert (first.number, first.seed, first.lr, first.evaluates, dict(first.broadcasts)) == (1, 7, 0.1, None, {})
+
+
+@pytest.mark.parametrize("client_class, method", [(FedProtoClient, "fedproto"), (FedAvgClient, "fedavg")])
+def test_a_fit_that_carries_the_evaluation_receives_once_and_replies_as_an_evaluate_then_a_fit(
+        client_class, method, monkeypatch):
+    """The previous round's scores in a fit message: receive runs once (the model scored is the one
+    training starts from), and the reply is what an evaluate message and then a plain fit give."""
+    settings = ExperimentSettings(method=method, local_epochs=1)
+    state = RecordDict()
+    trained, _, _ = make_client(client_class, state, settings).fit(
+        get_weights(make_client(client_class, RecordDict(), settings).exchanged)
+        if method == "fedavg" else [], {"server-round": 1, "seed": 3})
+    arrays = prototype_config(np.full((10, 512), 0.1, np.float32), np.ones(10, bool)) if method == "fedproto" else {}
+    parameters = trained if method == "fedavg" else []
+    separate_state, carried_state = copy.deepcopy(state), copy.deepcopy(state)
+    loss, num_test, scores = make_client(client_class, separate_state, settings).evaluate(
+        parameters, {"server-round": 1, "seed": 4} | arrays)
+    separate = make_client(client_class, separate_state, settings).fit(parameters, {"server-round": 2, "seed": 5} | arrays)
+    calls = []
+    receive = client_class.receive
+    monkeypatch.setattr(client_class, "receive", lambda self, *a: calls.append(1) or receive(self, *a))
+    carried = make_client(client_class, carried_state, settings).fit(
+        parameters, {"server-round": 2, "seed": 5, "evaluate-round": 1} | arrays)
+    assert len(calls) == 1
+    assert carried[2] == separate[2] | evaluation_as_fit_metrics(loss, num_test, scores)
+    assert carried[1] == separate[1]
+    assert all(np.array_equal(a, b) for a, b in zip(carried[0], separate[0], strict=True))

@@ -216,7 +216,7 @@ def test_global_test_pm_reads_the_nodes_data_dir_not_the_servers(tmp_path, monke
                   "global-test-pm": True}
     node_config = {"partition-id": 0, "num-partitions": 2, "data-dir": str(tmp_path)}
     context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config=run_config)
-    client = make_client_fn()(context).numpy_client
+    client = make_client_fn()(context).numpy_client.client
     parameters = [v.cpu().numpy() for v in client.model.state_dict().values()]
     _, _, metrics = client.evaluate(parameters, {"server-round": 1})
     assert 0.0 <= metrics["pm-l"] <= 1.0 and 0.0 <= metrics["pm-v"] <= 1.0

@@ -115,6 +115,18 @@ def test_the_methods_and_the_task_import_no_flower():
     assert "protofl.federation.server" in flower_importers("protofl.federation")  # the finder finds one
 
 
+def test_no_client_rule_derives_from_a_flower_class():
+    """A method's client and the template under it are plain classes; Flower's ``NumPyClient`` is the
+    front the ClientApp hands over them (protofl.federation.numpy_front)."""
+    import importlib
+
+    from protofl.strategies import METHODS
+
+    flower_bases = {name: [c.__module__ + "." + c.__qualname__ for c in client.__mro__ if c.__module__.startswith("flwr")]
+                    for name in METHODS for client in [importlib.import_module(f"protofl.strategies.{name}").CLIENT]}
+    assert {name: bases for name, bases in flower_bases.items() if bases} == {}
+
+
 def test_nothing_below_the_apps_imports_them():
     """The ServerApp and ClientApp modules are the top: no other module of protofl imports them (the
     training worker once took the ClientApp's kept models from it, inside a function)."""

@@ -16,7 +16,8 @@ from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
 
 from protofl.client_app import build_client
 from protofl.federation import training_worker
-from protofl.federation.training_worker import TrainingWorker, WorkerProxy, training_worker_for
+from protofl.federation.numpy_front import NumPyFront
+from protofl.federation.training_worker import TrainingWorker, training_worker_for
 from protofl.settings import ExperimentSettings
 from protofl.task.capture import CaptureGate
 
@@ -96,7 +97,7 @@ def through_a_worker(worker, settings, in_flight):
         def __init__(self, cid, client_fn, context, messages):
             def forwarding_client_fn(context):
                 node_config = dict(context.node_config)
-                return WorkerProxy(lambda method, *args: call(node_config, method, *args)).to_client()
+                return NumPyFront(lambda method, *args: call(node_config, method, *args)).to_client()
             super().__init__(cid, forwarding_client_fn, context, messages)
 
     return lambda partition_id: Forwarding
@@ -151,7 +152,7 @@ def test_the_proxy_forwards_each_call_and_raises_what_the_client_raised():
             raise ValueError("the client's own error")
         return {"fit": ([], 3, {}), "get_properties": {"a": 1}, "get_parameters": []}[method]
 
-    proxy = WorkerProxy(submit)
+    proxy = NumPyFront(submit)
     assert isinstance(proxy, NumPyClient)
     assert proxy.fit([1], {"c": 2}) == ([], 3, {})
     assert proxy.get_properties({"p": 1}) == {"a": 1}

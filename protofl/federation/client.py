@@ -1,4 +1,5 @@
-"""The client template: a Flower ``NumPyClient`` that a method fills in with hooks.
+"""The client template, which a method fills in with hooks; Flower's calls reach it through a front
+(:class:`~protofl.federation.numpy_front.NumPyFront`, Flower's ``NumPyClient``).
 
 ``fit``: (when the config names an ``evaluate-round``: the previous round's evaluation first, as
 ``evaluate`` would have done it) -> the kept model restored (a method whose ``keeps_model`` is
@@ -27,8 +28,6 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from flwr.client import NumPyClient
-from flwr.common import Scalar
 
 from protofl.federation.client_exchange import ModelExchange
 from protofl.federation.client_round import ClientRound
@@ -61,10 +60,13 @@ from protofl.task.sampling import client_seed
 from protofl.task.statistics import FeatureSums
 from protofl.task.train import recompute_batchnorm_stats
 from protofl.task.weights import all_tensors, copy_tensors, tensor_copies
+from protofl.typed_fields import Scalar
 
 
-class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
-    """NumPyClient holding one partition's data; a method overrides the hooks it needs."""
+class PrototypeClient(LocalTraining, ModelExchange):
+    """The client of one partition: its data, its model, the round's flow; a method overrides the
+    hooks it needs. Flower's calls reach it through a front (the legacy one:
+    :class:`~protofl.federation.numpy_front.NumPyFront`), which it does not derive from."""
 
     options_class: type[MethodOptions] = MethodOptions
 
@@ -133,7 +135,7 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         them, the first)."""
         return {"head": head_prediction}
 
-    # --- Flower's NumPyClient API -------------------------------------------------------
+    # --- the calls of a front (Flower's NumPyClient's) -------------------------------------
 
     def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
         """This node's partition and sizes (and, asked with a run's identity, the state it holds)."""
@@ -158,9 +160,10 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
         this_round = self.round_of(config)
         evaluated = {} if this_round.evaluates is None else self.evaluate_before_training(parameters, config, this_round)
         self.loss_parts = DeviceMeans()
-        self.state.use(config, this_round.number)  # as it was before this round
-        self.has_personal_model = self.options.keeps_model == "trains" and self.restore_personal_model()
-        self.receive(parameters, this_round)
+        if this_round.evaluates is None or not self.scoring_sets_up_training:
+            self.state.use(config, this_round.number)  # as it was before this round
+            self.has_personal_model = self.options.keeps_model == "trains" and self.restore_personal_model()
+            self.receive(parameters, this_round)
         self.seen = self.prototype_collector()
         loss = self.local_training(this_round)
         recompute = self.recompute_batchnorm()
@@ -204,11 +207,24 @@ class PrototypeClient(LocalTraining, ModelExchange, NumPyClient):
     ) -> dict[str, Scalar]:
         """What :meth:`evaluate` would have replied for the previous round, as ``EVALUATED`` fit
         metrics: the same state and model (the state before this round is the one the previous
-        round's fit left), scored before training; the model is then put back as it was."""
-        untouched = tensor_copies(self.model)
+        round's fit left), scored before training. When that model is the one training starts from
+        (:attr:`scoring_sets_up_training`), training goes on from it; otherwise it is put back as it
+        was."""
+        untouched = None if self.scoring_sets_up_training else tensor_copies(self.model)
         loss, num_examples, metrics = self._scored(parameters, config, this_round, this_round.number)
-        copy_tensors(all_tensors(self.model), untouched)
+        if untouched is not None:
+            copy_tensors(all_tensors(self.model), untouched)
         return evaluation_as_fit_metrics(loss, num_examples, metrics)
+
+    @property
+    def scoring_sets_up_training(self) -> bool:
+        """Whether the model scored before training is the one ``fit`` trains from: the method sets
+        up scoring as training (``prepare_evaluation`` is ``receive``), from the same saved state,
+        and keeps no model (both load the shared entries over the initial one) or trains its kept one
+        (both restore it first). Then a fit message that carries the previous round's evaluation runs
+        ``receive`` once, and copies no model tensor out and back."""
+        return (type(self).prepare_evaluation is PrototypeClient.prepare_evaluation
+                and self.options.keeps_model in (None, "trains"))
 
     def scored_round(self, this_round: ClientRound) -> ClientRound:
         """``this_round`` as the evaluate message of the round being scored carries it (that round,

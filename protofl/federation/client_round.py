@@ -27,5 +27,4 @@ class ClientRound:
     def as_scored(self, seed: int, lr: float) -> ClientRound:
         """This message as the evaluate message of the round it scores would carry it: that round,
         its ``seed`` and ``lr``, the same broadcasts."""
-        assert self.evaluates is not None
         return replace(self, number=self.evaluates, seed=seed, lr=lr, evaluates=None)

@@ -6,7 +6,7 @@ the time. With ``clients-in-flight = K`` (K > 1), a ClientApp forwards each mess
 worker of its GPU (:class:`TrainingWorker`, a Ray actor per run and set of visible GPUs, made by the
 first ClientApp that needs it): one process that runs up to K messages at once, each on a thread
 with its own CUDA stream, kept model and kept captured steps, and builds the same client a
-ClientApp would. The ClientApps only forward (:class:`WorkerProxy`); give a GPU at least K of them
+ClientApp would. The ClientApps only forward (:class:`~protofl.federation.numpy_front.NumPyFront`); give a GPU at least K of them
 (``client-resources-num-gpus``). Captures wait for the other threads' messages
 (:data:`protofl.task.capture.CAPTURE_GATE`).
 
@@ -27,10 +27,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
-from flwr.client import NumPyClient
 from flwr.common.logger import log
 
 from protofl.federation.client_state import MEMORY
+from protofl.federation.numpy_front import Submit
 from protofl.federation.wire import COMPUTE, decode_compute, encode_compute
 from protofl.settings import ExperimentSettings
 from protofl.task.capture import CAPTURE_GATE
@@ -38,7 +38,6 @@ from protofl.task.kept_models import release_thread_models
 
 WORKER_NAME = "protofl-training-worker"
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
-Submit = Callable[..., Any]  # submit(method, *args): the worker's reply to a client's call
 
 
 class TrainingWorker:
@@ -48,7 +47,7 @@ class TrainingWorker:
     ``visible_devices``: the GPUs to use (``CUDA_VISIBLE_DEVICES``, which Ray empties in an actor
     that asks for no GPU), None: as this process sees them; ``threads``: torch's CPU threads."""
 
-    def __init__(self, build_client: Callable[..., NumPyClient], visible_devices: str | None, threads: int,
+    def __init__(self, build_client: Callable[..., Any], visible_devices: str | None, threads: int,
                  clients_in_flight: int) -> None:
         if visible_devices is not None:  # before CUDA starts in this process, which reads it once
             os.environ[CUDA_DEVICES] = visible_devices
@@ -83,31 +82,12 @@ class TrainingWorker:
         return torch.cuda.stream(self._streams.stream)
 
 
-class WorkerProxy(NumPyClient):
-    """A ClientApp's client that forwards each call to ``submit`` (its GPU's training worker)."""
-
-    def __init__(self, submit: Submit) -> None:
-        self.submit = submit
-
-    def get_properties(self, config):
-        return self.submit("get_properties", config)
-
-    def get_parameters(self, config):
-        return self.submit("get_parameters", config)
-
-    def fit(self, parameters, config):
-        return self.submit("fit", parameters, config)
-
-    def evaluate(self, parameters, config):
-        return self.submit("evaluate", parameters, config)
-
-
 _not_engaged: set[str] = set()  # why not, each logged once per process
 _handles: dict[str, Any] = {}  # worker name -> Ray actor handle, this process's
 
 
 def training_worker_for(settings: ExperimentSettings, node_config: Mapping[str, Any], run_id: int,
-                        build_client: Callable[..., NumPyClient]) -> Submit | None:
+                        build_client: Callable[..., Any]) -> Submit | None:
     """How this ClientApp submits its calls to its GPU's training worker, or None when it trains
     them itself (``clients-in-flight`` 0 or 1, no Ray simulation, a state in memory)."""
     in_flight = settings.clients_in_flight
@@ -140,7 +120,7 @@ def training_worker_for(settings: ExperimentSettings, node_config: Mapping[str, 
     return submit
 
 
-def _start_worker(ray: Any, name: str, build_client: Callable[..., NumPyClient], devices: str | None,
+def _start_worker(ray: Any, name: str, build_client: Callable[..., Any], devices: str | None,
                   in_flight: int) -> Any:
     """The run's worker of this GPU, made if no ClientApp made it yet. It asks Ray for no CPU and no
     GPU (Flower's pool of ClientApps may hold them all) and uses the GPUs its maker sees."""

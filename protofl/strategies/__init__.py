@@ -1,4 +1,4 @@
-"""Method registry: ``method`` in the run config -> (Strategy class, NumPyClient class).
+"""Method registry: ``method`` in the run config -> (Strategy class, client class).
 
 Each method lives whole in its own module, which defines ``STRATEGY`` (a
 :class:`~protofl.federation.server.PrototypeStrategy`) and ``CLIENT`` (a
