@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import PrototypeStrategy
+from protofl.federation.server_rule import ServerRule
 from protofl.settings import MethodOptions
 from protofl.strategies import METHODS
 
@@ -29,7 +29,7 @@ def option_defaults(options_class) -> dict:
 def test_a_registered_method_is_one_module_with_options_strategy_and_client(name):
     module = importlib.import_module(f"protofl.strategies.{name}")
     assert module.__doc__, "a method module starts with what it is (paper, equations)"
-    assert issubclass(module.STRATEGY, PrototypeStrategy) and issubclass(module.CLIENT, PrototypeClient)
+    assert issubclass(module.STRATEGY, ServerRule) and issubclass(module.CLIENT, PrototypeClient)
     options = module.STRATEGY.options_class
     assert options is module.CLIENT.options_class and issubclass(options, MethodOptions)
     assert dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen
@@ -53,7 +53,7 @@ def test_the_guide_names_every_hook_a_method_overrides():
     hooks = set()
     for name in METHODS:
         module = importlib.import_module(f"protofl.strategies.{name}")
-        for cls, template in ((module.STRATEGY, PrototypeStrategy), (module.CLIENT, PrototypeClient)):
+        for cls, template in ((module.STRATEGY, ServerRule), (module.CLIENT, PrototypeClient)):
             written = [c for c in cls.__mro__ if issubclass(c, template) and not c.__module__.startswith(
                 "protofl.federation")]  # the method's classes and its families'
             hooks |= {attr for c in written for attr in vars(c) if hasattr(template, attr) and not attr.startswith("_")}

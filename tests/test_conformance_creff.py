@@ -33,6 +33,7 @@ from torch import nn
 
 import protofl.strategies.creff as creff
 from protofl.federation.admission import ClientUpdate
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import indexed
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
@@ -150,7 +151,7 @@ def test_server_round_equals_aggregate_update_feature_syn_and_feature_re_train(t
         "retrain-epochs": int(given["retrain_epochs"]), "classifier-lr": float(given["classifier_lr"])})
     data = ClientData(0, NUM_CLASSES, torch.zeros(2, 3, 32, 32), torch.arange(2), torch.zeros(2, 3, 32, 32),
                       torch.arange(2))
-    strategy = CReFFStrategy(settings, build_method_model(settings, data), NUM_CLASSES)
+    strategy = legacy_strategy(CReFFStrategy)(settings, build_method_model(settings, data), NUM_CLASSES)
     strategy.federated_features = given["features"].copy()
     strategy.classifier = [given["w_syn"].copy()]
     strategy.admission.sent_parameters = [given[f"server.{name}"] for name in STATE]

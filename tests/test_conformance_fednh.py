@@ -46,6 +46,7 @@ from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, PM_L, PM_V
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
@@ -177,7 +178,7 @@ def test_one_round_clients_server_and_scores_equal_the_codes(round_fixture, tmp_
     settings = _settings(round_fixture, tmp_path)
     server_round = int(round_fixture.inputs["round"])
     data = {k: _data(round_fixture, pid, k) for pid, k in enumerate(CLIENT_LABELS)}
-    strategy = FedNHStrategy(settings, build_method_model(settings, data["a"]), NUM_CLASSES,
+    strategy = legacy_strategy(FedNHStrategy)(settings, build_method_model(settings, data["a"]), NUM_CLASSES,
                              global_test=(data["a"].test_x, data["a"].test_y))
     strategy.prototypes = theirs["initial.prototype"]  # their seeded orthogonal W^0
     start_round(strategy, range(len(data)))

@@ -55,6 +55,7 @@ from flwr.server.strategy import FedAdagrad, FedAdam, FedYogi
 from torch import nn
 
 from protofl.federation.partitions import PartitionClaim
+from protofl.federation.server import legacy_strategy
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
 from protofl.strategies.fedopt import FedOptStrategy
@@ -101,7 +102,7 @@ def make_strategy(tmp_path, sizes=SIZES, full_model=False, **options) -> FedOptS
     def expected(num_partitions, pid):  # the server's own sizes of a partition
         return PartitionSizes(np.bincount(np.arange(sizes[pid]) % 10, minlength=10).astype(np.int64), 50)
 
-    strategy = FedOptStrategy(settings, model, 10, partition_sizes=expected)
+    strategy = legacy_strategy(FedOptStrategy)(settings, model, 10, partition_sizes=expected)
     assert {w.dtype for w in strategy.shared_weights()} == {np.dtype(np.float64)}  # the conformance marker's
     registry = strategy.discovery.registry
     for p in range(N):

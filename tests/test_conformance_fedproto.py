@@ -42,6 +42,7 @@ from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import (
     CLASS_COUNTS,
     CLASS_MEANS,
@@ -75,7 +76,7 @@ def _data(given) -> ClientData:
 
 def _aggregate(settings, data, uploads: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     """Our server on the clients' (prototypes, counts): the global prototypes it broadcasts."""
-    strategy = FedProtoStrategy(settings, build_method_model(settings, data), NUM_CLASSES)
+    strategy = legacy_strategy(FedProtoStrategy)(settings, build_method_model(settings, data), NUM_CLASSES)
     start_round(strategy, range(len(uploads)))
     results = []
     for pid, (prototypes, counts) in enumerate(uploads):

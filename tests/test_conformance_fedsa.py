@@ -38,6 +38,7 @@ from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters
 from torch import nn
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, GLOBAL_PROTOTYPES, ClassStatistics, ClassVectors, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
@@ -127,7 +128,7 @@ def test_server_prototype_average_and_anchor_step_equal_the_codes(tmp_path):
     settings = ExperimentSettings(method="fedsa", output_dir=str(tmp_path), run_name="conformance")
     data = ClientData(0, NUM_CLASSES, torch.zeros(2, 1, 28, 28), torch.tensor([0, 1]), torch.zeros(0, 1, 28, 28),
                       torch.zeros(0, dtype=torch.long))
-    strategy = FedSAStrategy(settings, build_method_model(settings, data), NUM_CLASSES)
+    strategy = legacy_strategy(FedSAStrategy)(settings, build_method_model(settings, data), NUM_CLASSES)
     strategy.anchors = given["anchors"].copy()
     clients = len(given["client_prototypes"])
     start_round(strategy, range(clients))

@@ -33,6 +33,7 @@ from conformance.common import assert_matches, float32_roundings, load_fixture
 from conformance.fedsc_fedskc_common import small_model
 
 from protofl.federation.admission import ClientUpdate
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedsc import (
@@ -145,7 +146,7 @@ def test_a_server_round_equals_the_codes(tmp_path):
     i, o = f.inputs, f.outputs
     num_classes = i["counts"].shape[1]
     settings = ExperimentSettings(method="fedsc", output_dir=str(tmp_path), run_name="run", options=AS_THE_CODE)
-    strategy = FedSCStrategy(settings, small_model(num_classes), num_classes)
+    strategy = legacy_strategy(FedSCStrategy)(settings, small_model(num_classes), num_classes)
     names = list(strategy.model.state_dict())
     updates = [
         ClientUpdate(k, int(counts.sum()), [i[f"client.{n}"][k] for n in names],

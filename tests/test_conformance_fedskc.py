@@ -37,6 +37,7 @@ from conformance.common import FLOAT32_ROUNDING, FLOAT64, assert_matches, float3
 from conformance.fedsc_fedskc_common import small_model
 
 from protofl.federation.admission import ClientUpdate
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedskc import (
@@ -188,7 +189,7 @@ def test_a_server_round_equals_the_codes(tmp_path):
     i, o = f.inputs, f.outputs
     num_classes = i["knowledge"].shape[1]
     settings = ExperimentSettings(method="fedskc", output_dir=str(tmp_path), run_name="run", options=AS_THE_CODE)
-    strategy = FedSKCStrategy(settings, small_model(num_classes), num_classes)
+    strategy = legacy_strategy(FedSKCStrategy)(settings, small_model(num_classes), num_classes)
     names = list(strategy.model.state_dict())
     strategy.knowledge = ClassVectors(i["previous_knowledge"], i["previous_mask"])
     strategy.global_weights = [i[f"previous.{n}"] for n in names]

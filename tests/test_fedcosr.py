@@ -11,6 +11,7 @@ from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import (
     CLASS_COUNTS,
     CLASS_MEANS,
@@ -162,7 +163,7 @@ def test_without_contrastive_loss_and_local_aggregation_it_is_ce_on_global_phi_a
 
 def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missing_classes(tmp_path, caplog):
     config = ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run")
-    strategy = FedCoSRStrategy(config, build_method_model(config, load_dataset("digits")), 10)
+    strategy = legacy_strategy(FedCoSRStrategy)(config, build_method_model(config, load_dataset("digits")), 10)
     start_round(strategy, range(4))
     phi = strategy.shared_weights()
     assert len(phi) == len(strategy.initial_weights) - 2  # everything but the head's weight and bias
@@ -199,7 +200,7 @@ def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missi
     sent = strategy.round_configs(3, [0])[0]
     np.testing.assert_array_equal(np.load(io.BytesIO(sent[GLOBAL_PROTOTYPES])), strategy.global_prototypes.vectors)
 
-    dropping = FedCoSRStrategy(ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run2",
+    dropping = legacy_strategy(FedCoSRStrategy)(ExperimentSettings(method="fedcosr", output_dir=str(tmp_path), run_name="run2",
                                                 options={"keep-missing-prototypes": False}),
                                build_method_model(config, load_dataset("digits")), 10)
     start_round(dropping, [0, 1], 4)
@@ -211,7 +212,7 @@ def test_strategy_weights_phi_by_size_prototypes_by_class_counts_and_keeps_missi
 
 def test_share_head_ablation_exchanges_and_mixes_the_whole_model():
     config = ExperimentSettings(method="fedcosr", options={"share-head": True})
-    strategy = FedCoSRStrategy(config, build_method_model(config, load_dataset("digits")), 10)
+    strategy = legacy_strategy(FedCoSRStrategy)(config, build_method_model(config, load_dataset("digits")), 10)
     assert strategy.has_global_model and len(strategy.shared_weights()) == len(strategy.initial_weights)
     state = RecordDict()
     client = make_client(state, **{"share-head": True, "local-aggregation": "fixed", "fixed-tau": 0.5})

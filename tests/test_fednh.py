@@ -11,6 +11,7 @@ from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
@@ -132,7 +133,7 @@ def test_strategy_updates_prototypes_averages_unweighted_and_rejects_inconsisten
     config = ExperimentSettings(method="fednh", model="fednh-cnn", output_dir=str(tmp_path), run_name="run",
                               options={"rho": 0.5})
     model = build_method_model(config, load_dataset("digits"))
-    strategy = FedNHStrategy(config, model, 10)
+    strategy = legacy_strategy(FedNHStrategy)(config, model, 10)
     start_round(strategy, range(4))
     w0 = strategy.prototypes.copy()
     d = model.feature_dim

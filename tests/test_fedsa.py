@@ -11,6 +11,7 @@ from fakes import OK, FakeProxy, start_round
 from flwr.app import RecordDict
 from flwr.common import FitRes, ndarrays_to_parameters
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import (
     CLASS_COUNTS,
     CLASS_MEANS,
@@ -218,7 +219,7 @@ def test_an_architecture_with_another_feature_size_is_a_clear_error():
 
 def test_strategy_averages_prototypes_moves_anchors_and_sends_the_same_anchors_to_everyone(tmp_path, caplog):
     config = ExperimentSettings(method="fedsa", output_dir=str(tmp_path), run_name="run", options={"ema": 0.5})
-    strategy = FedSAStrategy(config, build_method_model(config, load_dataset("digits")), 10)
+    strategy = legacy_strategy(FedSAStrategy)(config, build_method_model(config, load_dataset("digits")), 10)
     assert strategy.shared_weights() == [] and strategy.initialize_parameters(None).tensors == []
     np.testing.assert_array_equal(strategy.anchors, initial_anchors(10, 512, seed=0))
     start_round(strategy, range(3))
@@ -249,7 +250,7 @@ def test_strategy_averages_prototypes_moves_anchors_and_sends_the_same_anchors_t
     assert record["margin_contrastive_loss"] == pytest.approx((4 * 1.0 + 3 * 3.0) / 7)
     assert record["anchor_drift"] > 0 and record["prototype_margin"] > 0
 
-    weighted = FedSAStrategy(
+    weighted = legacy_strategy(FedSAStrategy)(
         ExperimentSettings(method="fedsa", output_dir=str(tmp_path), run_name="w", options={"proto-agg": "weighted"}),
         strategy.model, 10,
     )
@@ -264,6 +265,6 @@ def test_a_model_family_with_a_method_that_exchanges_parameters_is_refused(tmp_p
     from protofl.strategies.fedavg import FedAvgStrategy
 
     config = ExperimentSettings(method="fedavg", model="htfe2", output_dir=str(tmp_path))
-    strategy = FedAvgStrategy(config, build_method_model(config, load_dataset("digits")), 10)
+    strategy = legacy_strategy(FedAvgStrategy)(config, build_method_model(config, load_dataset("digits")), 10)
     with pytest.raises(ValueError, match="different architectures"):
         strategy.initialize_parameters(None)

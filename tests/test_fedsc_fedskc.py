@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from fakes import OK, FakeProxy, start_round
 from flwr.common import FitRes, ndarrays_to_parameters
 
+from protofl.federation.server import legacy_strategy
 from protofl.federation.wire import CLASS_MEANS, ClassStatistics, ClassVectors, encode_array
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
@@ -136,7 +137,7 @@ def test_relational_prototypes_merge_per_class_among_its_holders():
 
 def digits_strategy(cls, tmp_path, method, model="cnn", **options):
     config = ExperimentSettings(method=method, model=model, output_dir=str(tmp_path), run_name="run", options=options)
-    strategy = cls(config, build_method_model(config, load_dataset("digits")), 10)
+    strategy = legacy_strategy(cls)(config, build_method_model(config, load_dataset("digits")), 10)
     start_round(strategy, range(3))
     return strategy
 
@@ -366,7 +367,7 @@ def test_a_fedskc_run_says_at_its_start_which_forms_run_and_where_their_numbers_
                           ({"use-gpr": False}, "no GPR")):
         caplog.clear()
         settings = ExperimentSettings(method="fedskc", options=options)
-        FedSKCStrategy(settings, build_method_model(settings, load_dataset("digits")), 10)
+        legacy_strategy(FedSKCStrategy)(settings, build_method_model(settings, load_dataset("digits")), 10)
         assert says in caplog.text and FORMS_RESULTS in caplog.text
     path, anchor = FORMS_RESULTS.split("#")  # the page has that section, by the docs site's own anchors
     page = (Path(__file__).resolve().parents[1] / path).read_text()

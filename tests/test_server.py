@@ -9,7 +9,7 @@ from fakes import OK, FakeProxy, start_round
 from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters
 
 from protofl.federation.admission import DIVERGED_HINT, too_few_updates
-from protofl.federation.server import RunStopped
+from protofl.federation.server import RunStopped, legacy_strategy
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, ClassStatistics, describe_failure
 from protofl.settings import ExperimentSettings
 from protofl.strategies.fedavg import FedAvgStrategy
@@ -21,7 +21,7 @@ C, D = 10, 512
 
 def make_strategy(cls, tmp_path, **overrides):
     config = ExperimentSettings(output_dir=str(tmp_path), run_name="run", **overrides)
-    strategy = cls(config, build_model("cnn", 1, C, 16, seed=0), C)
+    strategy = legacy_strategy(cls)(config, build_model("cnn", 1, C, 16, seed=0), C)
     start_round(strategy, range(4))
     return strategy
 

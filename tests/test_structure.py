@@ -115,16 +115,21 @@ def test_the_methods_and_the_task_import_no_flower():
     assert "protofl.federation.server" in flower_importers("protofl.federation")  # the finder finds one
 
 
-def test_no_client_rule_derives_from_a_flower_class():
-    """A method's client and the template under it are plain classes; Flower's ``NumPyClient`` is the
-    front the ClientApp hands over them (protofl.federation.numpy_front)."""
+def test_no_method_class_derives_from_a_flower_class():
+    """A method's server rule and client rule, and the templates under them, are plain classes;
+    Flower's classes are the fronts over them (protofl.federation.server.legacy_strategy,
+    protofl.federation.numpy_front)."""
     import importlib
 
-    from protofl.strategies import METHODS
+    from protofl.strategies import METHODS, get_method
 
-    flower_bases = {name: [c.__module__ + "." + c.__qualname__ for c in client.__mro__ if c.__module__.startswith("flwr")]
-                    for name in METHODS for client in [importlib.import_module(f"protofl.strategies.{name}").CLIENT]}
-    assert {name: bases for name, bases in flower_bases.items() if bases} == {}
+    def flower_bases(cls):
+        return [c.__module__ + "." + c.__qualname__ for c in cls.__mro__ if c.__module__.startswith("flwr")]
+
+    modules = {name: importlib.import_module(f"protofl.strategies.{name}") for name in METHODS}
+    found = {name: flower_bases(m.STRATEGY) + flower_bases(m.CLIENT) for name, m in modules.items()}
+    assert {name: bases for name, bases in found.items() if bases} == {}
+    assert flower_bases(get_method("fedproto")[0])  # the front the ServerApp builds is Flower's
 
 
 def test_nothing_below_the_apps_imports_them():

@@ -16,6 +16,7 @@ from toy_methods import BalancedSoftmaxClient, OwnBroadcastStrategy, ServerHeadS
 
 from protofl.federation.checkpoint import Checkpoint
 from protofl.federation.client import PrototypeClient
+from protofl.federation.server import legacy_strategy
 from protofl.federation.server_state import MethodState
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model
@@ -104,7 +105,7 @@ def test_a_task_loss_of_its_own_trains_on_what_it_computes():
 def test_a_module_and_its_optimizer_round_trip_through_a_checkpoint_and_a_snapshot(tmp_path):
     with registered():
         settings = ExperimentSettings(method="server-head", dataset="digits", output_dir=str(tmp_path), run_name="r")
-        strategy = ServerHeadStrategy(settings, build_method_model(settings, load_dataset("digits")), 10)
+        strategy = legacy_strategy(ServerHeadStrategy)(settings, build_method_model(settings, load_dataset("digits")), 10)
     strategy.head(torch.randn(4, strategy.feature_dim)).sum().backward()
     strategy.optimizer.step()  # momentum buffers now exist
     state = MethodState(strategy, strategy.state_fields)

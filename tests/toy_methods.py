@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import protofl.strategies
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.admission import ClientUpdate, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import ArraySpec, PayloadError
 from protofl.settings import MethodOptions
 
@@ -28,7 +29,7 @@ class ServerHeadOptions(MethodOptions):
     server_epochs: int = 2
 
 
-class ServerHeadStrategy(PrototypeStrategy):
+class ServerHeadStrategy(ServerRule):
     """The clients share their bodies; the server trains the head on the uploaded class means."""
 
     options_class = ServerHeadOptions
@@ -74,7 +75,7 @@ class OwnBroadcastOptions(MethodOptions):
     statistics: ClassVar[None] = None
 
 
-class OwnBroadcastStrategy(PrototypeStrategy):
+class OwnBroadcastStrategy(ServerRule):
     options_class = OwnBroadcastOptions
     state_fields = ("own",)
     poisoned: ClassVar[set[int]] = set()  # partitions whose array the rule makes non-finite

@@ -38,6 +38,7 @@ Hooks (see docs/adding-a-method.md):
 
 from __future__ import annotations
 
+import functools
 import time
 from logging import INFO, WARNING
 from typing import Any, Callable, Sequence
@@ -88,7 +89,7 @@ from protofl.task.models import MODEL_FAMILIES, SplitModel
 from protofl.task.precision import get_device
 from protofl.task.sampling import client_seed, sample_partitions
 
-__all__ = ["ClientUpdate", "PayloadError", "PrototypeStrategy", "RunStopped", "stacked_statistics"]
+__all__ = ["ClientUpdate", "PayloadError", "PrototypeStrategy", "RunStopped", "legacy_strategy", "stacked_statistics"]
 
 
 def mean_client_metrics(updates: Sequence[ClientUpdate], keys: Sequence[str]) -> dict[str, float]:
@@ -134,11 +135,9 @@ class RunStopped(Exception):
 
 
 class PrototypeStrategy(ServerRule, Strategy):
-    """Flower Strategy with seeded sampling, payload checks, GM/PM evaluation and results."""
-
-    loss_metrics: tuple[str, ...] = ()
-    broadcast_to_evaluate = True
-    predictor_names: tuple[str, ...] = ("head",)
+    """The legacy Flower front of a server rule: a ``flwr.server.strategy.Strategy`` with seeded
+    sampling, payload checks, GM/PM evaluation and results, whose rule hooks a method's
+    :class:`ServerRule` fills in (:func:`legacy_strategy`)."""
 
     def __init__(
         self,
@@ -343,6 +342,16 @@ class PrototypeStrategy(ServerRule, Strategy):
         self.privacy.observe("evaluate", [res for _, res in results])
         logged_failures(server_round, "evaluate", failures, self.checkpoints)
         return self.evaluation.record(server_round, results, started=self.round_started)
+
+
+@functools.cache
+def legacy_strategy(rule: type[ServerRule]) -> type[PrototypeStrategy]:
+    """The Flower ``Strategy`` of a method's server rule (a plain class): the rule's hooks on the
+    legacy front, named as the rule is."""
+    if issubclass(rule, PrototypeStrategy):
+        return rule
+    return type(rule.__name__, (rule, PrototypeStrategy), {"__module__": rule.__module__, "__doc__": rule.__doc__,
+                                                          "__qualname__": rule.__qualname__})
 
 
 def _bytes_up(res: Any) -> int:

@@ -18,6 +18,7 @@ from protofl.federation.admission import Admission, ClientUpdate, output_problem
 from protofl.federation.partitions import PartitionDiscovery
 from protofl.federation.server_state import MethodState
 from protofl.federation.wire import ArraySpec
+from protofl.report import RunRecorder
 from protofl.settings import ExperimentSettings, MethodOptions
 from protofl.task.models import SeededDraws
 from protofl.task.robust import robust_average_layers
@@ -25,20 +26,30 @@ from protofl.task.sampling import server_seed
 
 
 class ServerRule:
-    """A method's server rule and what it may use (set by :class:`~protofl.federation.server.PrototypeStrategy`:
-    ``settings``, ``options``, ``model``, ``initial_weights``, ``shared_indices``, ``admission``,
-    ``discovery``, ``method_state``, ``device``)."""
+    """A method's server rule and what it may use, a plain class: a Flower front derives from it and
+    sets these (the legacy one, :class:`~protofl.federation.server.PrototypeStrategy`, through
+    :func:`~protofl.federation.server.legacy_strategy`): ``settings``, ``options``, ``model``,
+    ``num_classes``, ``feature_dim``, ``initial_weights``, ``shared_indices``, ``has_global_model``,
+    ``admission``, ``discovery``, ``method_state``, ``recorder`` (a round's own fields:
+    ``recorder.update(server_round, name=value)``), ``device``."""
 
     options_class: type[MethodOptions] = MethodOptions
     state_fields: tuple[str, ...] = ()
+    loss_metrics: tuple[str, ...] = ()
+    broadcast_to_evaluate = True
+    predictor_names: tuple[str, ...] = ("head",)
     settings: ExperimentSettings
     options: MethodOptions
     model: torch.nn.Module
+    num_classes: int
+    feature_dim: int
     initial_weights: list[np.ndarray]
     shared_indices: list[int]
+    has_global_model: bool
     admission: Admission
     discovery: PartitionDiscovery
     method_state: MethodState
+    recorder: RunRecorder
     device: torch.device
 
     # --- hooks for methods --------------------------------------------------------------

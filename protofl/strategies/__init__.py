@@ -1,8 +1,8 @@
 """Method registry: ``method`` in the run config -> (Strategy class, client class).
 
-Each method lives whole in its own module, which defines ``STRATEGY`` (a
-:class:`~protofl.federation.server.PrototypeStrategy`) and ``CLIENT`` (a
-:class:`~protofl.federation.client.PrototypeClient`), sharing one
+Each method lives whole in its own module, which defines ``STRATEGY`` (its server rule, a
+:class:`~protofl.federation.server_rule.ServerRule`) and ``CLIENT`` (its client rule, a
+:class:`~protofl.federation.client.PrototypeClient`), neither a Flower class, sharing one
 :class:`~protofl.settings.MethodOptions`, and optionally ``prepare_model(model, settings)`` when it
 changes the backbone (e.g. FedNH's head). docs/adding-a-method.md walks through one.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+from protofl.federation.server import legacy_strategy
 from protofl.settings import ExperimentSettings
 from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model, client_architecture
@@ -29,9 +30,10 @@ def _module(name: str):
 
 
 def get_method(name: str):
-    """(Strategy class, client class) of a method."""
+    """(Strategy class, client class) of a method: its server rule on the legacy Flower front
+    (:func:`~protofl.federation.server.legacy_strategy`), and its client."""
     module = _module(name)
-    return module.STRATEGY, module.CLIENT
+    return legacy_strategy(module.STRATEGY), module.CLIENT
 
 
 def build_method_model(

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate
 from protofl.federation.wire import ArraySpec, indexed
 from protofl.strategies.families.averaging import AveragingStrategy, GlobalModelAveraging
 from protofl.strategies.families.model_parts import HEAD

@@ -30,8 +30,9 @@ from typing import ClassVar, Literal, Sequence
 import numpy as np
 import torch
 
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import PROXIMAL_LOSS, ArraySpec, indexed
 from protofl.settings import KeptModel, MethodOptions
 from protofl.task.losses import proximal_term
@@ -79,7 +80,7 @@ def squared_distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
     return float(sum(np.sum((x.astype(np.float64) - y) ** 2) for x, y in zip(a, b)))
 
 
-class FedAMPStrategy(PrototypeStrategy):
+class FedAMPStrategy(ServerRule):
     options_class = FedAMPOptions
     state_fields = ("client_models",)
     broadcast_to_evaluate = False  # PM: the client's own model

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import CONTRASTIVE_LOSS, GLOBAL_PROTOTYPES, ClassVectors, PayloadError
 from protofl.settings import KeptModel, MethodOptions
 from protofl.task.prototypes import aggregate_prototypes
@@ -115,7 +116,7 @@ def sample_infonce_losses(
 # --- server -----------------------------------------------------------------------------
 
 
-class FedCoSRStrategy(PrototypeStrategy):
+class FedCoSRStrategy(ServerRule):
     options_class = FedCoSROptions
     loss_metrics = LOSS_KEYS
     state_fields = ("global_prototypes",)

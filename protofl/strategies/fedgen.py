@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PayloadError
-from protofl.federation.wire import ArraySpec, indexed
+from protofl.federation.wire import ArraySpec, PayloadError, indexed
 from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
 from protofl.strategies.families.model_parts import HEAD, HeadSharing
 

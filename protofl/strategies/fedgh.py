@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.strategies.families.model_parts import HEAD, HeadSharing
 from protofl.task.prototypes import prototype_pairs
 from protofl.task.server_training import minibatch_sgd, shuffles
@@ -58,7 +59,7 @@ def train_head(head: torch.nn.Module, weights: dict[str, torch.Tensor], prototyp
     return {k: v.detach() for k, v in trained.items()}
 
 
-class FedGHStrategy(PrototypeStrategy):
+class FedGHStrategy(ServerRule):
     options_class = FedGHOptions
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.federation.server import ClientUpdate
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.wire import SHARED_LOSS, PayloadError
 from protofl.strategies.families.averaging import AveragingStrategy
 from protofl.strategies.families.second_model import SecondModel, SecondModelClient

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import PayloadError
 from protofl.settings import ExperimentSettings, KeptModel, MethodOptions
 from protofl.task.models import SplitModel
@@ -159,7 +160,7 @@ def prepare_model(model: SplitModel, settings: ExperimentSettings) -> SplitModel
 # --- server -----------------------------------------------------------------------------
 
 
-class FedNHStrategy(PrototypeStrategy):
+class FedNHStrategy(ServerRule):
     options_class = FedNHOptions
     state_fields = ("prototypes",)
 

@@ -26,8 +26,9 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.server_rule import ServerRule
 from protofl.settings import MethodOptions
 
 ServerOptimizer = Literal["adam", "yogi", "adagrad"]
@@ -87,7 +88,7 @@ def server_step(x: np.ndarray, delta: np.ndarray, m: np.ndarray, v: np.ndarray, 
     return x + eta * m / (np.sqrt(v) + tau), m, v
 
 
-class FedOptStrategy(PrototypeStrategy):
+class FedOptStrategy(ServerRule):
     options_class = FedOptOptions
     state_fields = ("first_moment", "second_moment")
 

@@ -33,8 +33,8 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, stacked_statistics
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ArraySpec, ClassVectors, indexed
 from protofl.strategies.families.model_parts import HEAD, BodyAveraging, BodySharing
 from protofl.task.losses import prototype_loss

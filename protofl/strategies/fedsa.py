@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.settings import ExperimentSettings, KeptModel, MethodOptions
+from protofl.task.inference import head_prediction, nearest_prototype
 from protofl.task.models import MODEL_FAMILIES, SeededDraws
 from protofl.task.prototypes import aggregate_prototypes
-from protofl.task.inference import head_prediction, nearest_prototype
 from protofl.task.statistics import PrototypePass
 
 ANCHORS = "anchors"  # A, C x D, broadcast in the fit and evaluate config
@@ -165,7 +166,7 @@ def anchor_calibration_loss(head: nn.Module, anchors: torch.Tensor) -> torch.Ten
 # --- server -----------------------------------------------------------------------------
 
 
-class FedSAStrategy(PrototypeStrategy):
+class FedSAStrategy(ServerRule):
     options_class = FedSAOptions
     loss_metrics = LOSS_KEYS
     state_fields = ("anchors", "global_prototypes")

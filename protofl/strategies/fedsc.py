@@ -38,8 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import ArraySpec, ClassVectors
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import (
@@ -154,7 +155,7 @@ def consistency_loss(
 # --- server -----------------------------------------------------------------------------
 
 
-class FedSCStrategy(PrototypeStrategy):
+class FedSCStrategy(ServerRule):
     options_class = FedSCOptions
     loss_metrics = LOSS_KEYS
     state_fields = ("knowledge",)

@@ -46,8 +46,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import ClassStatistics, ClassVectors
 from protofl.settings import MethodOptions
 from protofl.task.prototypes import SimilarityNorm, multi_positive_infonce, neighbour_merge, sigmoid_discrepancy_weights
@@ -208,7 +209,7 @@ def forms_line(options: FedSKCOptions) -> str:
             f"gpr-form='interp' came out above it (significantly at Dirichlet 0.2): {FORMS_RESULTS}")
 
 
-class FedSKCStrategy(PrototypeStrategy):
+class FedSKCStrategy(ServerRule):
     options_class = FedSKCOptions
     loss_metrics = (LCL_LOSS,)
     state_fields = ("knowledge", "global_weights")

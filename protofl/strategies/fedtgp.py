@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.admission import ClientUpdate, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.settings import KeptModel, MethodOptions
 from protofl.strategies.families.class_vectors import PrototypeLossClient
@@ -108,7 +109,7 @@ def train_prototypes(module: TrainablePrototypes, prototypes: torch.Tensor, labe
     minibatch_sgd(list(module.parameters()), loss, len(labels), epochs, batch_size, lr, orders)
 
 
-class FedTGPStrategy(PrototypeStrategy):
+class FedTGPStrategy(ServerRule):
     options_class = FedTGPOptions
     state_fields = ("prototype_model", "global_prototypes")
     predictor_names = ("head", "prototype")

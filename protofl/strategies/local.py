@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.server_rule import ServerRule
 from protofl.settings import KeptModel, MethodOptions
 
 
@@ -26,7 +27,7 @@ class LocalOptions(MethodOptions):
         return False
 
 
-class LocalStrategy(PrototypeStrategy):
+class LocalStrategy(ServerRule):
     options_class = LocalOptions
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:

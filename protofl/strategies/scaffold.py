@@ -32,8 +32,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import ArraySpec, PayloadError, indexed
 from protofl.settings import MethodOptions
 from protofl.task.train import steps_per_epoch
@@ -81,7 +82,7 @@ def control_delta(control: list[np.ndarray], start: list[np.ndarray], trained: l
     return [((x.astype(np.float64) - y) / (steps * lr) - c).astype(c.dtype) for c, x, y in zip(control, start, trained)]
 
 
-class SCAFFOLDStrategy(PrototypeStrategy):
+class SCAFFOLDStrategy(ServerRule):
     options_class = SCAFFOLDOptions
     state_fields = ("control", "applied")
     broadcast_to_evaluate = False  # evaluation scores the global model

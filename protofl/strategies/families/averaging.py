@@ -9,7 +9,8 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
-from protofl.federation.server import ClientUpdate, PrototypeStrategy
+from protofl.federation.admission import ClientUpdate
+from protofl.federation.server_rule import ServerRule
 from protofl.settings import KeptModel, MethodOptions
 
 
@@ -35,7 +36,7 @@ class GlobalModelAveraging(ParameterAveraging):
         return "scores" if self.personal_model == "local" else None
 
 
-class AveragingStrategy(PrototypeStrategy):
+class AveragingStrategy(ServerRule):
     """The new shared entries: the clients' mean, by training size unless ``weighted = false``."""
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:

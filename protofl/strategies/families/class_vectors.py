@@ -11,15 +11,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server import ClientUpdate, PrototypeStrategy, stacked_statistics
+from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
 from protofl.task.inference import head_prediction, nearest_prototype
 from protofl.task.losses import prototype_loss
 from protofl.task.prototypes import aggregate_prototypes
 
 
-class ClassVectorAveraging(PrototypeStrategy):
+class ClassVectorAveraging(ServerRule):
     """Global vector of class c: the clients' vectors of c averaged as the options' ``weighting``
     says (Eq. 5); a class no client of the round holds has none. With a global model
     (``average-parameters``), the parameters are averaged too. Options: ``weighting`` and
