@@ -57,6 +57,7 @@ def run_ours(seed: int, overrides: dict) -> dict[str, list[float]]:
     from inprocess import run_in_process
 
     import protofl.federation.client as client_module
+    from protofl.federation.server import legacy_strategy
     from protofl.strategies.fednh import FedNHStrategy
     from protofl.task.inference import features_and_logits
 
@@ -64,7 +65,8 @@ def run_ours(seed: int, overrides: dict) -> dict[str, list[float]]:
     norms: list[tuple[bool, float]] = []  # (first step of a local round, norm) of the round going on
     per_round: dict[str, list[float]] = {"grad_norm_median": [], "grad_norm_max": [], "grad_norm_share_above_10": [],
                                          "first_step_grad_norm_mean": []}
-    aggregate, evaluate = FedNHStrategy.aggregate_updates, FedNHStrategy.evaluate
+    front = legacy_strategy(FedNHStrategy)  # the class the ServerApp runs
+    aggregate, evaluate = front.aggregate_updates, front.evaluate
     clip, train = torch.nn.utils.clip_grad_norm_, client_module.train
     local = threading.local()
 
@@ -101,14 +103,14 @@ def run_ours(seed: int, overrides: dict) -> dict[str, list[float]]:
             self.prototypes = current
         return result
 
-    FedNHStrategy.aggregate_updates, FedNHStrategy.evaluate = aggregate_and_keep, evaluate_both
+    front.aggregate_updates, front.evaluate = aggregate_and_keep, evaluate_both
     torch.nn.utils.clip_grad_norm_, client_module.train = clip_and_record, train_marking_the_first_step
     try:
         with tempfile.TemporaryDirectory() as directory:
             run_in_process(RUN | {"seed": seed, "output-dir": directory, "run-name": "run"} | overrides, NODES)
             rounds = json.loads((Path(directory) / "run" / "results.json").read_text())["rounds"]
     finally:
-        FedNHStrategy.aggregate_updates, FedNHStrategy.evaluate = aggregate, evaluate
+        del front.aggregate_updates, front.evaluate  # the inherited ones again
         torch.nn.utils.clip_grad_norm_, client_module.train = clip, train
     return {"gm": [r["global_accuracy"] for r in rounds], "gm_with_w_t": with_previous} | per_round
 
