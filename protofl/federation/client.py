@@ -158,7 +158,8 @@ class PrototypeClient(LocalTraining, ModelExchange):
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
         this_round = self.round_of(config)
-        evaluated = {} if this_round.evaluates is None else self.evaluate_before_training(parameters, config, this_round)
+        evaluated = ({} if this_round.evaluates is None
+                     else self.evaluate_before_training(parameters, config, this_round))
         self.loss_parts = DeviceMeans()
         if this_round.evaluates is None or not self.scoring_sets_up_training:
             self.state.use(config, this_round.number)  # as it was before this round

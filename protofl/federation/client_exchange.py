@@ -82,7 +82,8 @@ class ModelExchange:
 
     def received_class_vectors(self, this_round: ClientRound, name: str) -> np.ndarray | None:
         """A C x d broadcast array (anchors, prototypes); None when not sent."""
-        return decode_class_vectors(this_round.broadcasts, name, self.data.num_classes, self.model.feature_dim, self.max_payload_bytes)
+        return decode_class_vectors(this_round.broadcasts, name, self.data.num_classes, self.model.feature_dim,
+                                    self.max_payload_bytes)
 
     def received_masked_vectors(
         self, this_round: ClientRound, name: str, dim: int | None = None

@@ -348,8 +348,6 @@ class PrototypeStrategy(ServerRule, Strategy):
 def legacy_strategy(rule: type[ServerRule]) -> type[PrototypeStrategy]:
     """The Flower ``Strategy`` of a method's server rule (a plain class): the rule's hooks on the
     legacy front, named as the rule is."""
-    if issubclass(rule, PrototypeStrategy):
-        return rule
     return type(rule.__name__, (rule, PrototypeStrategy), {"__module__": rule.__module__, "__doc__": rule.__doc__,
                                                           "__qualname__": rule.__qualname__})
 

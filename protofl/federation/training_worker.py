@@ -6,9 +6,9 @@ the time. With ``clients-in-flight = K`` (K > 1), a ClientApp forwards each mess
 worker of its GPU (:class:`TrainingWorker`, a Ray actor per run and set of visible GPUs, made by the
 first ClientApp that needs it): one process that runs up to K messages at once, each on a thread
 with its own CUDA stream, kept model and kept captured steps, and builds the same client a
-ClientApp would. The ClientApps only forward (:class:`~protofl.federation.numpy_front.NumPyFront`); give a GPU at least K of them
-(``client-resources-num-gpus``). Captures wait for the other threads' messages
-(:data:`protofl.task.capture.CAPTURE_GATE`).
+ClientApp would. The ClientApps only forward (:class:`~protofl.federation.numpy_front.NumPyFront`);
+give a GPU at least K of them (``client-resources-num-gpus``). Captures wait for the other threads'
+messages (:data:`protofl.task.capture.CAPTURE_GATE`).
 
 Only in a Ray simulation, and not with ``state-dir = "memory"`` (that state lives in the ClientApp's
 ``context.state``, which the worker does not see); otherwise each message trains in its ClientApp

@@ -180,7 +180,8 @@ class FedGenClient(PrototypeClient):
         like = like.to(self.device, next(self.model.parameters()).dtype)
         names = generator_entries(like)
         entries = self.received_like(this_round, GENERATOR, list(names.values()))
-        distribution = self.received(this_round, LABEL_DISTRIBUTION, ArraySpec((self.data.num_classes,), ("int64",), True))
+        distribution = self.received(this_round, LABEL_DISTRIBUTION,
+                                     ArraySpec((self.data.num_classes,), ("int64",), True))
         if entries is None or distribution is None or distribution.sum() == 0:
             return
         like.load_state_dict(dict(zip(names, entries)), strict=False)

@@ -223,7 +223,8 @@ class FedSKCStrategy(ServerRule):
         state = self.model.state_dict()
         every_float = self.options.gpr_entries == "all"  # BatchNorm statistics too (the code)
         self.reviewed = [name in parameters or (every_float and state[name].is_floating_point()) for name in state]
-        LOGGER.log(WARNING if self.options.gpr_form == "paper" and self.options.use_gpr else INFO, forms_line(self.options))
+        LOGGER.log(WARNING if self.options.gpr_form == "paper" and self.options.use_gpr else INFO,
+                   forms_line(self.options))
 
     def broadcast(self, server_round: int) -> dict[str, np.ndarray]:
         return self.knowledge.to_config(GLOBAL_KNOWLEDGE) if self.knowledge else {}
