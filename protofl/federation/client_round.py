@@ -1,6 +1,6 @@
-"""What one client message asks of a method's client rule, typed: the front (the ``NumPyClient``
-template, :class:`~protofl.federation.client.PrototypeClient`) builds it once from Flower's config,
-and the method's hooks read it, never Flower's dict (no Flower import here)."""
+"""What one client message asks of a method's client rule, typed: the client template
+(:meth:`~protofl.federation.client.PrototypeClient.round_of`) builds it once from the message's
+config, and the method's hooks read it, never Flower's dict (no Flower import here)."""
 
 from __future__ import annotations
 
