@@ -1,5 +1,6 @@
-"""ClientApp: the configured method's client of each partition, behind a ``NumPyClient`` front
-(:class:`~protofl.federation.numpy_front.NumPyFront`).
+"""ClientApp: the configured method's client of each partition, behind the Flower front the run
+config's ``flower-api`` names (:class:`PrototypeClientApp`): Message-API handlers, or a
+``NumPyClient`` (:class:`~protofl.federation.numpy_front.NumPyFront`).
 
 The node's ``--node-config`` (in simulation: Flower's own) names the node's data:
 
@@ -39,33 +40,94 @@ from flwr.client import Client, ClientApp
 from flwr.common import Context, Message
 from flwr.common.logger import log
 
-from protofl.federation.client_state import ClientStateStore
 from protofl.federation.client import PrototypeClient
+from protofl.federation.client_state import ClientStateStore
+from protofl.federation.message_records import (
+    CONFIG,
+    PARAMETERS,
+    evaluate_reply,
+    fit_reply,
+    properties_reply,
+    read_instruction,
+)
 from protofl.federation.numpy_front import NumPyFront
 from protofl.federation.training_worker import training_worker_for
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
-from protofl.task.resources import ray_cpus
 from protofl.task.kept_models import kept_model, release_thread_models
 from protofl.task.models import client_architecture
 from protofl.task.precision import compute_description, get_device
+from protofl.task.resources import ray_cpus
+
+
+def client_front(run_config: Mapping[str, Any] | None, context: Context) -> NumPyFront:
+    """The front of this message's client: over the client built here, or over its GPU's training
+    worker (``clients-in-flight``), which trains it. ``run_config`` replaces ``context.run_config``
+    (in-process simulations leave it empty)."""
+    settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
+    submit = training_worker_for(settings, context.node_config, context.run_id, build_client)
+    if submit is not None:  # clients-in-flight: its GPU's training worker trains it
+        return NumPyFront(submit)
+    # a Ray simulation hands each partition's messages to any of its ClientApps: one would find
+    # the partition's last state in its memory about once in as many messages as there are of them
+    return NumPyFront.over(build_client(settings, context.node_config, context.state,
+                                        keep_state_in_memory=ray_cpus() is None))
 
 
 def make_client_fn(run_config: Mapping[str, Any] | None = None) -> Callable[[Context], Client]:
-    """``run_config`` replaces ``context.run_config`` (in-process simulations leave it empty)."""
+    """The legacy front's ``client_fn``: a ``NumPyClient`` (:func:`client_front`)."""
 
     def client_fn(context: Context) -> Client:
-        settings = ExperimentSettings.from_run_config(run_config if run_config is not None else context.run_config)
-        submit = training_worker_for(settings, context.node_config, context.run_id, build_client)
-        if submit is not None:  # clients-in-flight: its GPU's training worker trains it
-            return NumPyFront(submit).to_client()
-        # a Ray simulation hands each partition's messages to any of its ClientApps: one would find
-        # the partition's last state in its memory about once in as many messages as there are of them
-        return NumPyFront.over(build_client(settings, context.node_config, context.state,
-                                            keep_state_in_memory=ray_cpus() is None)).to_client()
+        return client_front(run_config, context).to_client()
 
     return client_fn
+
+
+def make_message_app(run_config: Mapping[str, Any] | None = None) -> ClientApp:
+    """The Message-API front: a ClientApp whose ``query``, ``train`` and ``evaluate`` handlers read
+    the instruction's records, call the same client (:func:`client_front`) and reply in records
+    (:mod:`protofl.federation.message_records`)."""
+    app = ClientApp(mods=[release_worker_models])
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        config = dict(message.content.config_records.get(CONFIG, {}))
+        return Message(properties_reply(client_front(run_config, context).get_properties(config)), reply_to=message)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        parameters, config = read_instruction(message.content)
+        names = list(message.content.array_records[PARAMETERS])  # the server's names of the shared entries
+        trained, num_examples, metrics = client_front(run_config, context).fit(parameters, config)
+        if len(names) != len(trained):
+            names = [str(i) for i in range(len(trained))]  # the server drops it: not what it sent
+        return Message(fit_reply(names, trained, num_examples, metrics), reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        parameters, config = read_instruction(message.content)
+        loss, num_examples, metrics = client_front(run_config, context).evaluate(parameters, config)
+        return Message(evaluate_reply(loss, num_examples, metrics), reply_to=message)
+
+    return app
+
+
+class PrototypeClientApp(ClientApp):
+    """protofl's ClientApp: the run config's ``flower-api`` picks the front, as the ServerApp's
+    does. ``"message"``: :func:`make_message_app`'s handlers; ``"legacy"``: Flower's ``client_fn``
+    app of :func:`make_client_fn`. Both free the thread's models after each message."""
+
+    def __init__(self, run_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.run_config = run_config
+        self.legacy = ClientApp(client_fn=make_client_fn(run_config), mods=[release_worker_models])
+        self.message = make_message_app(run_config)
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        run_config = self.run_config if self.run_config is not None else context.run_config
+        api = run_config.get("flower-api", ExperimentSettings.flower_api)
+        return (self.message if api == "message" else self.legacy)(message, context)
 
 
 def build_client(settings: ExperimentSettings, node_config: Mapping[str, Any], state: Any,
@@ -161,4 +223,4 @@ def node_data(settings: ExperimentSettings, node_config: Mapping[str, Any], devi
                           num_classes=DATASETS[settings.dataset][0])
 
 
-app = ClientApp(client_fn=make_client_fn(), mods=[release_worker_models])
+app = PrototypeClientApp()

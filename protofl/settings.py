@@ -35,13 +35,14 @@ EvaluateClients = Literal["sampled", "all"]
 # per client and round; the last round's, and every round's with fraction-fit < 1, in an evaluate
 # message), or in an evaluate message after each evaluated round
 EvaluationMessage = Literal["fit", "evaluate"]
+FlowerApi = Literal["legacy", "message"]
 Pool = Literal["train", "train+test"]
 Normalisation = Literal["half", "dataset"]
 # Settings a resumed run may change: extend the run, checkpoint at another interval, accept clients
 # that lost their state, track it elsewhere (a tracker new to the run gets every round), train
 # more or fewer clients at once, keep more or less state in memory (the same numbers).
 RESUMABLE = frozenset({"num_server_rounds", "checkpoint_every", "resume", "overwrite", "resume_fresh_clients",
-                       "tracker", "mlflow_uri", "clients_in_flight", "kept_state_mb"})
+                       "tracker", "mlflow_uri", "clients_in_flight", "kept_state_mb", "flower_api"})
 
 
 # How a client keeps its model across rounds (MethodOptions.keeps_model), stored after each fit
@@ -152,6 +153,7 @@ class ExperimentSettings:
     round_timeout: float = 0.0
     evaluate_clients: EvaluateClients = "sampled"
     evaluation_message: EvaluationMessage = "fit"
+    flower_api: FlowerApi = "message"
     eval_every: int = 1
     local_epochs: int = 2
     batch_size: int = 10

@@ -12,19 +12,34 @@ import threading
 
 from inprocess import InProcessProxy, run_in_process
 
+from protofl.client_app import PrototypeClientApp
 from protofl.federation.wire import server_round as server_round_of
+from protofl.settings import ExperimentSettings
 
 
-def hanging_in_round(server_round):
-    class HangingProxy(InProcessProxy):
-        def fit(self, ins, timeout, group_id):
-            if server_round_of(ins.config) == server_round:
-                threading.Event().wait()  # until killed
-            return super().fit(ins, timeout, group_id)
+def hanging_in_round(server_round, run_config):
+    """The nodes of the run config's front whose fit of ``server_round`` waits until killed."""
+    if ExperimentSettings.from_run_config(run_config).flower_api == "legacy":
+        class HangingProxy(InProcessProxy):
+            def fit(self, ins, timeout, group_id):
+                if server_round_of(ins.config) == server_round:
+                    threading.Event().wait()  # until killed
+                return super().fit(ins, timeout, group_id)
 
-    return lambda partition_id: HangingProxy
+        return lambda partition_id: HangingProxy
+
+    app = PrototypeClientApp(run_config)
+
+    def hanging(message, context):
+        if (message.metadata.message_type == "train"
+                and server_round_of(dict(message.content.config_records["config"])) == server_round):
+            threading.Event().wait()  # until killed
+        return app(message, context)
+
+    return lambda partition_id: hanging
 
 
 if __name__ == "__main__":
-    hang = hanging_in_round(int(sys.argv[3])) if len(sys.argv) > 3 else None
-    run_in_process(json.loads(sys.argv[1]), int(sys.argv[2]), node_class=hang)
+    run_config = json.loads(sys.argv[1])
+    hang = hanging_in_round(int(sys.argv[3]), run_config) if len(sys.argv) > 3 else None
+    run_in_process(run_config, int(sys.argv[2]), node_class=hang)

@@ -5,12 +5,16 @@ import io
 
 import numpy as np
 from fakes import OK, FakeProxy
-from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from inprocess import as_serverapp
 
+from protofl.federation.message_front import message_strategy
+from protofl.federation.message_records import NUMPY
 from protofl.federation.partitions import PartitionClaim
 from protofl.federation.wire import CLASS_MEANS, ClassStatistics, encode_array, indexed
 from protofl.settings import ExperimentSettings
-from protofl.strategies import build_method_model, get_method
+from protofl.strategies import build_method_model, get_method, method_rule
 from protofl.strategies.fedgen import LABEL_COUNTS
 from protofl.strategies.fedkd import low_rank
 from protofl.strategies.scaffold import step_multipliers
@@ -41,11 +45,12 @@ def settings_for(method, tmp_path, name, **overrides):
     return ExperimentSettings(method=method, output_dir=str(tmp_path), run_name=name, min_fit_clients=2, **overrides)
 
 
-def make_strategy(method, tmp_path, name="run", **overrides):
-    """A strategy after discovery: nodes 100..103 claim partitions 0..3 with their real sizes."""
+def make_strategy(method, tmp_path, name="run", front="legacy", **overrides):
+    """A strategy after discovery: nodes 100..103 claim partitions 0..3 with their real sizes; on
+    the legacy front or (``front="message"``) the Message API's."""
     settings = settings_for(method, tmp_path, name, **overrides)
     dataset = load_dataset("digits")
-    strategy_class, _ = get_method(method)
+    strategy_class = message_strategy(method_rule(method)) if front == "message" else get_method(method)[0]
 
     def sizes(n, pid):
         return partition_sizes("digits", "", settings.partition_spec(n), pid)
@@ -139,3 +144,41 @@ def assert_same_state(a, b):
         np.testing.assert_array_equal(x, y)
     for key in sent_a:
         np.testing.assert_array_equal(sent_a[key], sent_b[key])
+
+
+def as_message(strategy, proxy, res):
+    """A legacy fit reply as a client sends it on the Message API: its blobs as arrays (under the
+    server's names of the shared entries) and uploads, its numbers in the metrics, its strings and
+    flags in the config; what no record can hold (metrics that are no mapping, an entry that is no
+    bytes) as near as a client can get (no records; an entry of another serialization)."""
+    as_serverapp()
+    instruction = Message(RecordDict(), int(proxy.cid), "train")
+    if not isinstance(res.metrics, dict):
+        return Message(RecordDict(), reply_to=instruction)
+    entries = [Array("float32", (), NUMPY, t) if isinstance(t, bytes) else Array("", (), "unknown", b"")
+               for t in res.parameters.tensors]
+    names = strategy.shared_names + [f"extra-{i}" for i in range(len(entries) - len(strategy.shared_names))]
+    numbers, others, uploads = {"num-examples": res.num_examples}, {}, {}
+    for key, value in res.metrics.items():
+        if isinstance(value, bytes):
+            uploads[key] = Array("float32", (), NUMPY, value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers[key] = value
+        else:
+            others[key] = value
+    if not isinstance(res.num_examples, int) or isinstance(res.num_examples, bool):
+        others["num-examples"] = numbers.pop("num-examples")
+    records = {"arrays": ArrayRecord(dict(zip(names, entries))), "metrics": MetricRecord(numbers),
+               "config": ConfigRecord(others)} | ({"uploads": ArrayRecord(uploads)} if uploads else {})
+    return Message(RecordDict(records), reply_to=instruction)
+
+
+def aggregate_fit(strategy, server_round, results):
+    """The strategy's aggregate of ``results`` (legacy fit replies) on its front: (the new shared
+    entries as legacy ``Parameters``, or None; the round's metrics)."""
+    if not hasattr(strategy, "aggregate_train"):
+        return strategy.aggregate_fit(server_round, results, [])
+    arrays, metrics = strategy.aggregate_train(server_round, [as_message(strategy, *pair) for pair in results])
+    if arrays is None:
+        return None, dict(metrics)
+    return Parameters([array.data for array in arrays.values()], "numpy.ndarray"), dict(metrics)

@@ -34,5 +34,5 @@ def test_clients_of_other_code_than_the_servers_stop_the_run_in_round_1(tmp_path
     run_in_process({"method": method, "num-server-rounds": 1, "output-dir": str(tmp_path), "run-name": "r"})
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     assert results["stopped"].startswith("round 1: 0 of 3 client updates usable, 2 required. 3 failed: "
-                                         "OtherCode: this ClientApp runs protofl from ")
+                                         "client error: OtherCode: this ClientApp runs protofl from ")
     assert "another checkout or environment" in results["stopped"] and "\n" not in results["stopped"]

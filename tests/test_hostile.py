@@ -13,10 +13,9 @@ import pickle
 import numpy as np
 import pytest
 from fakes import OK, FakeProxy, uploads_class_statistics
-from inprocess import methods_fast_for
 from flwr.common import EvaluateRes, FitRes, Parameters, parameters_to_ndarrays
 from replies import (
-    N, altered, assert_same_state, class_means_of, exchanges_nothing, honest_update, make_strategy,
+    N, aggregate_fit, altered, assert_same_state, class_means_of, exchanges_nothing, honest_update, make_strategy,
     scaled_parameters, server_state,
 )
 
@@ -139,12 +138,23 @@ ATTACKS = {f.__name__[len("attack_"):]: f for f in (
 )}
 
 
-# fast: a method of each shape (parameters only, class statistics, anchors without parameters, named
-# uploads, a server-trained module with checked counts, FedNH's unit-ball prototypes); CI runs them all
+def methods_and_fronts():
+    """Every method on both fronts; fast: on the Message API a method of each shape (parameters only,
+    class statistics, anchors without parameters, named uploads, a server-trained module with
+    checked counts, FedNH's unit-ball prototypes), on the legacy front (the same admission behind
+    another transport) FedAvg and FedProto."""
+    fast = {"message": ("fedavg", "fedproto", "fedsa", "scaffold", "fedgen", "fednh"), "legacy": ("fedavg", "fedproto")}
+    return [pytest.param(method, front, marks=() if method in fast[front] else pytest.mark.slow)
+            for method in sorted(METHODS) for front in fast]
+
+
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
-@pytest.mark.parametrize("method", methods_fast_for("fedavg", "fedproto", "fedsa", "scaffold", "fedgen", "fednh"))
-def test_a_hostile_update_is_dropped_and_the_round_ends_as_the_honest_ones_alone(tmp_path, method, attack, caplog):
-    strategy = make_strategy(method, tmp_path, "attacked")
+@pytest.mark.parametrize("method, front", methods_and_fronts())
+def test_a_hostile_update_is_dropped_and_the_round_ends_as_the_honest_ones_alone(tmp_path, method, front, attack,
+                                                                                 caplog):
+    """On either front (the Message API's: the same reply in its records, tests/replies.py's
+    as_message), against the legacy front's run of the honest replies alone."""
+    strategy = make_strategy(method, tmp_path, "attacked", front=front)
     honest = [honest_update(strategy, p) for p in range(N - 1)]
     hostile_reply = honest_update(strategy, HOSTILE)[1]
     if attack in ("huge_class_vector", "overflowing_counts", "shifted_counts") and strategy.options.statistics is None:
@@ -156,7 +166,7 @@ def test_a_hostile_update_is_dropped_and_the_round_ends_as_the_honest_ones_alone
     if attack == "malformed_blobs" and exchanges_nothing(strategy):
         pytest.skip(f"{method} sends nothing to malform")
     sent = ATTACKS[attack](strategy, hostile_reply)
-    parameters, metrics = strategy.aggregate_fit(1, honest[:2] + sent + honest[2:], [])  # must not raise
+    parameters, metrics = aggregate_fit(strategy, 1, honest[:2] + sent + honest[2:])  # must not raise
 
     reference = make_strategy(method, tmp_path, "honest")
     accepted = honest + sent[:1] if attack == "twice" else honest  # the first of two replies counts
@@ -331,27 +341,50 @@ def test_a_predictor_one_client_leaves_out_is_scored_over_the_others(tmp_path):
 RUN = {"num-server-rounds": 2, "local-epochs": 1, "global-test-pm": False, "min-fit-clients": 1, "batch-size": 32}
 
 
+@pytest.mark.parametrize("front", ["message", "legacy"])
 @pytest.mark.parametrize("verify", [True, False])
-def test_a_stolen_partition_is_given_to_neither_and_a_flaky_node_is_asked_again(tmp_path, caplog, verify):
+def test_a_stolen_partition_is_given_to_neither_and_a_flaky_node_is_asked_again(tmp_path, caplog, verify, front):
+    """Node 1002 holds partition 2 and claims partition 0 (with its own sizes); node 1003's first
+    answer is lost."""
     from inprocess import InProcessProxy, run_in_process
 
-    class Thief(InProcessProxy):  # holds partition 2, claims partition 0 (with its own sizes)
-        def get_properties(self, ins, timeout, group_id):
-            reply = super().get_properties(ins, timeout, group_id)
-            reply.properties["partition-id"] = 0
+    from protofl.client_app import PrototypeClientApp
+
+    config = RUN | {"method": "fedproto", "verify-partitions": verify, "output-dir": str(tmp_path), "run-name": "run",
+                    "flower-api": front}
+    answered = []
+    if front == "legacy":
+        class Thief(InProcessProxy):
+            def get_properties(self, ins, timeout, group_id):
+                reply = super().get_properties(ins, timeout, group_id)
+                reply.properties["partition-id"] = 0
+                return reply
+
+        class Flaky(InProcessProxy):
+            def get_properties(self, ins, timeout, group_id):
+                if not answered:
+                    answered.append(1)
+                    raise TimeoutError("no answer")
+                return super().get_properties(ins, timeout, group_id)
+
+        nodes = {2: Thief, 3: Flaky}
+        run_in_process(config, num_nodes=4, node_class=lambda p: nodes.get(p, InProcessProxy))
+    else:
+        honest = PrototypeClientApp(config)
+
+        def thief(message, context):
+            reply = honest(message, context)
+            if message.metadata.message_type == "query":
+                reply.content.config_records["properties"]["partition-id"] = 0
             return reply
 
-    class Flaky(InProcessProxy):  # its first answer is lost
-        calls = 0
-
-        def get_properties(self, ins, timeout, group_id):
-            Flaky.calls += 1
-            if Flaky.calls == 1:
+        def flaky(message, context):
+            if message.metadata.message_type == "query" and not answered:
+                answered.append(1)
                 raise TimeoutError("no answer")
-            return super().get_properties(ins, timeout, group_id)
+            return honest(message, context)
 
-    config = RUN | {"method": "fedproto", "verify-partitions": verify, "output-dir": str(tmp_path), "run-name": "run"}
-    run_in_process(config, num_nodes=4, node_class=lambda p: {2: Thief, 3: Flaky}.get(p, InProcessProxy))
+        run_in_process(config, num_nodes=4, node_class=lambda p: {2: thief, 3: flaky}.get(p, honest))
     rounds = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"]
     # the flaky node is asked again before round 1: fewer nodes than partitions had answered
     assert "node 1003 did not report its partition" in caplog.text

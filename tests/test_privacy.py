@@ -15,9 +15,10 @@ from flwr.app import RecordDict
 from fakes import uploads_class_statistics
 from inprocess import run_in_process
 
+from protofl.federation.server_core import ServerCore
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, TRAIN_LOSS, ArraySpec, decode_array
 from protofl.settings import ExperimentSettings
-from protofl.strategies import METHODS, get_method
+from protofl.strategies import METHODS
 from protofl.strategies.fedavg import FedAvgOptions
 from protofl.strategies.fedproto import FedProtoClient
 from protofl.task.data import load_client_data
@@ -236,18 +237,17 @@ def test_releases_after_the_checkpoint_count_again_when_a_resumed_run_replays_th
     """The server dies in round 3 after its clients released (checkpoint-every=2: the checkpoint is
     round 2's); the resumed run replays round 3 with fresh noise. Both round-3 releases went out, so
     each client has 5 releases, not the uninterrupted run's 4."""
-    strategy_class, _ = get_method("fedproto")
     config = {"method": "fedproto", "dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "dp-noise": 4.0,
               "dp-clip": 1.0, "batch-size": 32, "checkpoint-every": 2, "output-dir": str(tmp_path),
               "run-name": "killed"}
-    aggregate_fit = strategy_class.aggregate_fit
+    fit_results = ServerCore.fit_results
 
     def dies_in_round_3(self, server_round, results, failures):
         if server_round == 3:
             raise Crash
-        return aggregate_fit(self, server_round, results, failures)
+        return fit_results(self, server_round, results, failures)
 
-    monkeypatch.setattr(strategy_class, "aggregate_fit", dies_in_round_3)
+    monkeypatch.setattr(ServerCore, "fit_results", dies_in_round_3)
     with pytest.raises(Crash):
         run_in_process(config, num_nodes=4)
     monkeypatch.undo()

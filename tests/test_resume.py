@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
-from flwr.common import ndarrays_to_parameters
 from inprocess import methods_fast_for, run_in_process
 from native import kill_trees, pids_with_argument
 
@@ -108,7 +107,7 @@ def test_checkpoints_are_due_every_few_rounds_and_after_the_last(tmp_path):
     saved = []
     for server_round in range(1, 6):
         recorder.update(server_round, train_loss=1.0)
-        checkpoints.save(server_round, ndarrays_to_parameters([np.zeros(2)]), lambda: saved.append(server_round) or {})
+        checkpoints.save(server_round, [np.zeros(2)], lambda: saved.append(server_round) or {})
         assert checkpoints.run_identity(server_round + 1)[:3] == ("r", checkpoints.run_token, saved[-1] if saved else 0)
     assert saved == [2, 4, 5] and Checkpoint.load(settings.run_directory()).server_round == 5
     assert recorder.rounds[4]["checkpoint_bytes"] > 0 and "checkpoint_bytes" not in recorder.rounds[3]

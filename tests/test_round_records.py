@@ -1,6 +1,7 @@
 """Refactorings change no number: every method with each of its switches, and the template's
 server-side switches, give the round records that tests/fixtures/round_records.json holds, traffic
-and dropped replies included (tests/round_records.py says how it was made and how to remake it)."""
+and dropped replies included, on both Flower fronts (tests/round_records.py says how it was made
+and how to remake it)."""
 
 import json
 import math
@@ -54,12 +55,14 @@ def test_the_fixture_covers_every_case_and_the_comparison_sees_a_change():
     assert len(differences(record | {"clients": [0, 1]}, record)) == 1
 
 
+@pytest.mark.parametrize("front", ["legacy", "message"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_three_rounds_give_the_recorded_round_records(name, tmp_path):
+def test_three_rounds_give_the_recorded_round_records_on_both_fronts(name, front, tmp_path):
+    """The same records from Flower's legacy front and its Message API (only clocks may differ)."""
     if name not in EXPECTED["cases"]:
         pytest.fail(f"{name}: no round records yet; record them with python tests/round_records.py --missing")
-    found = differences(round_records(CASES[name], tmp_path), EXPECTED["cases"][name])
+    found = differences(round_records(CASES[name] | {"flower-api": front}, tmp_path), EXPECTED["cases"][name])
     assert found == [], (
-        f"{name}: the round records changed ({len(found)} fields, floats to {REL_TOL} or {ABS_TOL}): {found[:5]}; "
-        "if the change is meant, remake them: python tests/round_records.py"
+        f"{name} on the {front} front: the round records changed ({len(found)} fields, floats to {REL_TOL} or "
+        f"{ABS_TOL}): {found[:5]}; if the change is meant, remake them: python tests/round_records.py"
     )

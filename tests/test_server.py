@@ -236,7 +236,8 @@ def test_results_record_how_each_client_computed_and_on_which_node(tmp_path):
         assert described["memory_format"] in ("NCHW", "channels-last") and described["autocast"] in ("off", "bf16")
 
 
-def test_a_run_whose_every_node_fails_discovery_stops_naming_what_the_nodes_said(tmp_path, monkeypatch):
+@pytest.mark.parametrize("front", ["message", "legacy"])
+def test_a_run_whose_every_node_fails_discovery_stops_naming_what_the_nodes_said(tmp_path, monkeypatch, front):
     """Nodes whose ClientApp cannot start (here: no data where they look) fail the partition query;
     the run stopped with "no client reported a partition id" and no cause. It now names the nodes'
     own error line (Ray's tracebacks taken off, as for a failed fit)."""
@@ -252,8 +253,12 @@ def test_a_run_whose_every_node_fails_discovery_stops_naming_what_the_nodes_said
             raise ray_error_reply("FileNotFoundError: data-dir /data/x does not exist",
                                   "data-dir /data/x does not exist")
 
-    run_config = {"method": "fedavg", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "run"}
-    run_in_process(run_config, num_nodes=2, node_class=lambda p: NoData)
+    def no_data(message, context):  # the Message API: the runtime's error reply says what it raised
+        raise FileNotFoundError("data-dir /data/x does not exist")
+
+    run_config = {"method": "fedavg", "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "run",
+                  "flower-api": front}
+    run_in_process(run_config, num_nodes=2, node_class=lambda p: NoData if front == "legacy" else no_data)
     stopped = json.loads((tmp_path / "run" / "results.json").read_text())["stopped"]
     assert stopped == ("round 1: no client reported a partition id; cannot sample clients. 2 nodes connected: "
                        "client error: FileNotFoundError: data-dir /data/x does not exist (2)")

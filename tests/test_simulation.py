@@ -10,13 +10,14 @@ import pytest
 import ray.cloudpickle
 from flwr.client import ClientApp
 from flwr.server import ServerApp
+from flwr.serverapp.strategy import Strategy as MessageApiStrategy
 from flwr.simulation import run_simulation
 from inprocess import run_in_process
 
-from protofl.client_app import make_client_fn
+from protofl.client_app import PrototypeClientApp, make_client_fn
 from protofl.federation.wire import CLASS_MEANS
 from protofl.report import ROUND_KEYS
-from protofl.server_app import make_server_fn
+from protofl.server_app import build_strategy, make_server_fn
 from protofl.settings import ExperimentSettings
 
 # Ray ships the test's client_fn to its workers by value (tests/ is not importable there).
@@ -71,6 +72,28 @@ def test_fedavg_learns_writes_schema_and_is_reproducible_through_a_training_work
             assert again[key] == before[key], key
     assert {c.get("clients_in_flight") for c in first["client_compute"].values()} == {None}
     assert {c.get("clients_in_flight") for c in second["client_compute"].values()} == {2}
+
+
+def test_a_protofl_strategy_in_a_users_message_api_serverapp_runs_as_the_legacy_front(tmp_path):
+    """A Flower user's ServerApp hands protofl's Message-API strategy its grid; the ClientApp's
+    run config names the same front: the same sampled clients and metrics as the legacy front's run."""
+    run_config = run_config_of(tmp_path, "message", {"method": "fedproto", "flower-api": "message",
+                                                     "fraction-fit": 0.67})
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        strategy, _ = build_strategy(ExperimentSettings.from_run_config(run_config))
+        assert isinstance(strategy, MessageApiStrategy)
+        strategy.start(grid)
+
+    run_simulation(server, PrototypeClientApp(run_config), num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}})
+    message = json.loads((tmp_path / "message" / "results.json").read_text())
+    legacy = simulate(tmp_path, "legacy", method="fedproto", **{"fraction-fit": 0.67})
+    for ours, before in zip(message["rounds"], legacy["rounds"], strict=True):
+        for key in ("clients", "train_loss", "personalized_accuracy", "bytes_up", "bytes_down"):
+            assert ours[key] == before[key], key
 
 
 def test_fedproto_exchanges_prototypes_and_personalizes(tmp_path):

@@ -11,9 +11,10 @@ import threading
 import pytest
 import torch
 from flwr.client import NumPyClient
-from inprocess import InProcessProxy, methods_fast_for, run_in_process
+from inprocess import methods_fast_for, run_in_process
 from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
 
+from protofl import client_app
 from protofl.client_app import build_client
 from protofl.federation import training_worker
 from protofl.federation.numpy_front import NumPyFront
@@ -78,9 +79,9 @@ def test_a_capture_outside_any_work_goes_at_once_and_two_captures_take_turns():
 RUN_CONFIG = {"dataset": "digits", "num-server-rounds": 2, "method": "fedproto"}
 
 
-def through_a_worker(worker, settings, in_flight):
-    """The in-process federation's nodes, each forwarding its messages to ``worker`` from the
-    thread Flower's server gives it; ``in_flight`` gets the most calls seen at once."""
+def through_a_worker(monkeypatch, worker, settings, in_flight):
+    """The in-process federation's ClientApps forward their messages to ``worker`` from the threads
+    Flower gives them, as each does to its GPU's worker; ``in_flight`` gets the most calls seen at once."""
     lock, inside = threading.Lock(), []
 
     def call(node_config, method, *args):
@@ -93,25 +94,23 @@ def through_a_worker(worker, settings, in_flight):
             with lock:
                 inside.pop()
 
-    class Forwarding(InProcessProxy):
-        def __init__(self, cid, client_fn, context, messages):
-            def forwarding_client_fn(context):
-                node_config = dict(context.node_config)
-                return NumPyFront(lambda method, *args: call(node_config, method, *args)).to_client()
-            super().__init__(cid, forwarding_client_fn, context, messages)
+    def the_worker(settings, node_config, run_id, build):
+        node_config = dict(node_config)
+        return lambda method, *args: call(node_config, method, *args)
 
-    return lambda partition_id: Forwarding
+    monkeypatch.setattr(client_app, "training_worker_for", the_worker)
 
 
-def one_at_a_time_and_at_once(tmp_path, run_config):
+def one_at_a_time_and_at_once(tmp_path, monkeypatch, run_config):
     """results.json of the run one message at a time, and of the same run with three clients at once
     in a training worker (on Flower's threads, as a worker's callers); the most calls at once."""
     plain = run_config | {"output-dir": str(tmp_path), "run-name": "plain"}
     run_in_process(plain, one_at_a_time=True)
     forwarded = run_config | {"output-dir": str(tmp_path), "run-name": "worker", "clients-in-flight": 3}
     in_flight, worker = [], TrainingWorker(build_client, None, torch.get_num_threads(), 3)
-    nodes = through_a_worker(worker, ExperimentSettings.from_run_config(forwarded), in_flight)
-    run_in_process(forwarded, node_class=nodes, one_at_a_time=False)
+    with monkeypatch.context() as patched:
+        through_a_worker(patched, worker, ExperimentSettings.from_run_config(forwarded), in_flight)
+        run_in_process(forwarded, one_at_a_time=False)
     return *(json.loads((tmp_path / name / "results.json").read_text()) for name in ("plain", "worker")), max(in_flight)
 
 
@@ -123,9 +122,12 @@ def assert_same_results(one_at_a_time, at_once):
     assert all("clients_in_flight" not in c for c in one_at_a_time["client_compute"].values())
 
 
+@pytest.mark.parametrize("front", ["message", "legacy"])
 @pytest.mark.parametrize("method", methods_fast_for("fedproto"))
-def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time(tmp_path, method):
-    one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(tmp_path, RUN_CONFIG | {"method": method})
+def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time(tmp_path, monkeypatch, method,
+                                                                                  front):
+    one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(
+        tmp_path, monkeypatch, RUN_CONFIG | {"method": method, "flower-api": front})
     assert_same_results(one_at_a_time, at_once)
     assert most_in_flight > 1
 
@@ -133,10 +135,10 @@ def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("amp", ["off", "bf16"])
-def test_clients_captured_at_once_on_streams_of_their_own_give_the_results_of_one_at_a_time(tmp_path, float32_on_cuda,
-                                                                                             amp):
+def test_clients_captured_at_once_on_streams_of_their_own_give_the_results_of_one_at_a_time(tmp_path, monkeypatch,
+                                                                                             float32_on_cuda, amp):
     """Deterministic kernels (float32_on_cuda): the same numbers whichever stream and thread runs them."""
-    one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(tmp_path, RUN_CONFIG | {
+    one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(tmp_path, monkeypatch, RUN_CONFIG | {
         "amp": amp, "num-server-rounds": 3})
     assert_same_results(one_at_a_time, at_once)
     assert most_in_flight > 1

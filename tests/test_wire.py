@@ -30,6 +30,11 @@ def test_round_trip_keeps_values_dtype_and_shape():
     np.testing.assert_array_equal(decoded, array)
 
 
+def test_a_scalar_array_keeps_its_shape():  # a learnable scale (FedNH's) is a 0-d model entry
+    decoded = decode_array(encode_array(np.array(30.0, np.float32)), ArraySpec(()), CAP)
+    assert decoded.shape == () and decoded == 30.0
+
+
 def test_round_trip_counts_and_masks():
     counts = np.array([0, 5, 2], dtype=np.int64)
     mask = np.array([False, True, True])

@@ -37,7 +37,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-from flwr.common import Parameters, parameters_to_ndarrays
 from flwr.common.logger import log
 
 from protofl.federation import wire
@@ -230,7 +229,7 @@ class RunCheckpoints:
             self.to_check.pop(p, None)
         return lost
 
-    def save(self, server_round: int, parameters: Parameters, state: Callable[[], dict[str, Any]]) -> None:
+    def save(self, server_round: int, parameters: list[np.ndarray], state: Callable[[], dict[str, Any]]) -> None:
         """After a complete round, when one is due: the checkpoint of ``parameters``, the server's
         ``state()`` and the results, after the client state versions a resume from it reads (those of
         the partitions that trained since the last one) are synced; its time (the sync's included)
@@ -242,7 +241,7 @@ class RunCheckpoints:
             since = {p: r for p, r in self.last_trained.items() if r > self.checkpointed_round}
             sync_state_versions(Path(self.marked_state_dir).expanduser(), self.recorder.directory.name,
                                 self.run_token, since)
-        checkpoint = Checkpoint(server_round, parameters_to_ndarrays(parameters), state(),
+        checkpoint = Checkpoint(server_round, list(parameters), state(),
                                 self.recorder.results(), self.run_token)
         size = checkpoint.save(self.recorder.directory)
         self.checkpointed_round = server_round
@@ -317,8 +316,8 @@ def open_run(settings: Any, directory: Path, option_defaults: Mapping[str, Any] 
     if conflicts:
         raise ValueError(
             f"resume=true: the run config differs from the checkpoint's in {', '.join(conflicts)}; only "
-            "num-server-rounds, checkpoint-every, resume-fresh-clients, tracker, mlflow-uri, clients-in-flight and "
-            "kept-state-mb may change when a run resumes"
+            "num-server-rounds, checkpoint-every, resume-fresh-clients, tracker, mlflow-uri, clients-in-flight, "
+            "kept-state-mb and flower-api may change when a run resumes"
         )
     if checkpoint.server_round >= settings.num_server_rounds:
         raise ValueError(

@@ -1,8 +1,8 @@
 """The half of the server template that a method's server rule is written against: its hooks
 (what it checks, broadcasts, expects uploaded and computes from the accepted updates), the helpers
 that apply the run's robust rules and seeds to it, and the run of the rule each round, whose output
-is checked before anything goes out (:class:`ServerRule`, a base of
-:class:`~protofl.federation.server.PrototypeStrategy`)."""
+is checked before anything goes out (:class:`ServerRule`, a base of the server template,
+:class:`~protofl.federation.server_core.ServerCore`)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from protofl.task.sampling import server_seed
 
 
 class ServerRule:
-    """A method's server rule and what it may use, a plain class: a Flower front derives from it and
-    sets these (the legacy one, :class:`~protofl.federation.server.PrototypeStrategy`, through
+    """A method's server rule and what it may use, a plain class: the server template derives from
+    it and sets these (:class:`~protofl.federation.server_core.ServerCore`, behind either Flower
+    front: :func:`~protofl.federation.message_front.message_strategy`,
     :func:`~protofl.federation.server.legacy_strategy`): ``settings``, ``options``, ``model``,
     ``num_classes``, ``feature_dim``, ``initial_weights``, ``shared_indices``, ``has_global_model``,
     ``admission``, ``discovery``, ``method_state``, ``recorder`` (a round's own fields:

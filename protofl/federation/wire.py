@@ -97,6 +97,10 @@ _ERROR_REPLY = re.compile(r"Message contains an Error \(reason: (.*)\)\. It orig
 _CAUSE = "\nThe above exception was the direct cause of the following exception:"
 
 
+class ClientFailed(Exception):
+    """A message that failed on the client (:func:`client_error`'s line)."""
+
+
 def describe_failure(failure: Any) -> str:
     """A failed message (an exception, or a reply with an error status) in one line: for an error
     reply, the client's own exception line, without the tracebacks a Ray simulation wraps it in."""
@@ -104,11 +108,19 @@ def describe_failure(failure: Any) -> str:
         _, res = failure
         return f"status {res.status.code}: {res.status.message}"
     text = str(failure)
+    if isinstance(failure, ClientFailed):
+        return text
     if match := _ERROR_REPLY.search(text):
-        text = match.group(1).split(_CAUSE)[0]  # Ray: the client's traceback, then the actor's
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        return f"client error: {lines[-1] if lines else text}"[:1000]
+        return client_error(match.group(1))
     return f"{type(failure).__name__}: {text}"
+
+
+def client_error(reason: str) -> str:
+    """An error reply's reason in one line: the client's own exception line, without the
+    tracebacks a Ray simulation wraps it in."""
+    text = reason.split(_CAUSE)[0]  # Ray: the client's traceback, then the actor's
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"client error: {lines[-1] if lines else text}"[:1000]
 
 
 @dataclass(frozen=True)
@@ -128,7 +140,7 @@ class ArraySpec:
 
 def encode_array(array: np.ndarray) -> bytes:
     """numpy array -> ``.npy`` bytes (never pickled)."""
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(np.shape(array))  # (ascontiguousarray makes a 0-d array 1-d)
     if array.dtype.name not in ALLOWED_DTYPES:
         raise PayloadError(f"dtype {array.dtype} is not allowed on the wire")
     buffer = io.BytesIO()

@@ -29,6 +29,11 @@ def _module(name: str):
     return importlib.import_module(f"protofl.strategies.{name}")
 
 
+def method_rule(name: str) -> type:
+    """A method's server rule (:class:`~protofl.federation.server_rule.ServerRule`), of no front."""
+    return _module(name).STRATEGY
+
+
 def get_method(name: str):
     """(Strategy class, client class) of a method: its server rule on the legacy Flower front
     (:func:`~protofl.federation.server.legacy_strategy`), and its client."""
