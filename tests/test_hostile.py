@@ -139,11 +139,10 @@ ATTACKS = {f.__name__[len("attack_"):]: f for f in (
 
 
 def methods_and_fronts():
-    """Every method on both fronts; fast: on the Message API a method of each shape (parameters only,
-    class statistics, anchors without parameters, named uploads, a server-trained module with
-    checked counts, FedNH's unit-ball prototypes), on the legacy front (the same admission behind
-    another transport) FedAvg and FedProto."""
-    fast = {"message": ("fedavg", "fedproto", "fedsa", "scaffold", "fedgen", "fednh"), "legacy": ("fedavg", "fedproto")}
+    """Every method on both fronts; fast: on the Message API parameters only (FedAvg), class
+    statistics (FedProto), named uploads (SCAFFOLD), unit-ball prototypes (FedNH); on the legacy
+    front (the same admission behind another transport) FedAvg."""
+    fast = {"message": ("fedavg", "fedproto", "scaffold", "fednh"), "legacy": ("fedavg",)}
     return [pytest.param(method, front, marks=() if method in fast[front] else pytest.mark.slow)
             for method in sorted(METHODS) for front in fast]
 
@@ -341,7 +340,7 @@ def test_a_predictor_one_client_leaves_out_is_scored_over_the_others(tmp_path):
 RUN = {"num-server-rounds": 2, "local-epochs": 1, "global-test-pm": False, "min-fit-clients": 1, "batch-size": 32}
 
 
-@pytest.mark.parametrize("front", ["message", "legacy"])
+@pytest.mark.parametrize("front", ["message", pytest.param("legacy", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_stolen_partition_is_given_to_neither_and_a_flaky_node_is_asked_again(tmp_path, caplog, verify, front):
     """Node 1002 holds partition 2 and claims partition 0 (with its own sizes); node 1003's first

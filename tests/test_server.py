@@ -236,7 +236,7 @@ def test_results_record_how_each_client_computed_and_on_which_node(tmp_path):
         assert described["memory_format"] in ("NCHW", "channels-last") and described["autocast"] in ("off", "bf16")
 
 
-@pytest.mark.parametrize("front", ["message", "legacy"])
+@pytest.mark.parametrize("front", ["message", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_a_run_whose_every_node_fails_discovery_stops_naming_what_the_nodes_said(tmp_path, monkeypatch, front):
     """Nodes whose ClientApp cannot start (here: no data where they look) fail the partition query;
     the run stopped with "no client reported a partition id" and no cause. It now names the nodes'

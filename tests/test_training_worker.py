@@ -122,7 +122,7 @@ def assert_same_results(one_at_a_time, at_once):
     assert all("clients_in_flight" not in c for c in one_at_a_time["client_compute"].values())
 
 
-@pytest.mark.parametrize("front", ["message", "legacy"])
+@pytest.mark.parametrize("front", ["message", pytest.param("legacy", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("method", methods_fast_for("fedproto"))
 def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time(tmp_path, monkeypatch, method,
                                                                                   front):
