@@ -22,13 +22,14 @@ reply's ``problem``, and admission drops it with that reason.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from protofl.federation.wire import encode_array
+from protofl.federation.wire import encode_array, read_npy_header
 from protofl.task.storage import NUMPY_HEADER_LOCK
 from protofl.typed_fields import Scalar
 
@@ -41,13 +42,7 @@ NUMPY = "numpy.ndarray"  # Flower's serialization type of a .npy blob
 def blob_array(blob: bytes) -> Array:
     """One of protofl's own ``.npy`` blobs (:func:`~protofl.federation.wire.encode_array`) as a
     Flower ``Array``: the same bytes, its dtype and shape read from the blob's header."""
-    import io
-
-    stream = io.BytesIO(blob)
-    major, _ = np.lib.format.read_magic(stream)
-    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-    with NUMPY_HEADER_LOCK:
-        shape, _, dtype = read_header(stream)
+    shape, _, dtype = read_npy_header(io.BytesIO(blob))
     return Array(dtype=str(dtype), shape=tuple(shape), stype=NUMPY, data=blob)
 
 

@@ -148,6 +148,15 @@ def encode_array(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def read_npy_header(stream: io.BytesIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, Fortran order, dtype) of the ``.npy`` blob ``stream`` starts; it is left at the data.
+    numpy's header parse, one thread at a time (protofl/task/storage.py)."""
+    major, _ = np.lib.format.read_magic(stream)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    with NUMPY_HEADER_LOCK:
+        return read_header(stream)
+
+
 def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
     """``.npy`` bytes -> array, checked against ``spec``; raises :class:`PayloadError`."""
     if not isinstance(blob, bytes):
@@ -159,10 +168,7 @@ def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
     # Check the header before loading: a header may claim any shape, and loading allocates it.
     stream = io.BytesIO(blob)
     try:
-        major, _ = np.lib.format.read_magic(stream)
-        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        with NUMPY_HEADER_LOCK:
-            shape, fortran_order, dtype = read_header(stream)
+        shape, fortran_order, dtype = read_npy_header(stream)
     except (ValueError, OSError, EOFError, SyntaxError) as err:
         raise PayloadError(f"unreadable array header ({err})") from None
     if dtype.name not in spec.dtypes:
