@@ -21,7 +21,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from protofl.client_app import PrototypeClientApp, make_client_fn, release_worker_models
 from protofl.federation import client_state
-from protofl.federation.message_records import read_instruction, read_reply
+from protofl.federation.message_records import Blobs, read_instruction, read_reply
 from protofl.server_app import build_strategy, make_server_fn
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS
@@ -131,9 +131,9 @@ CALLS = {"train": "fit", "evaluate": "evaluate", "query": "get_properties"}  # m
 
 class Seen:
     """A message of the Message API as the harness records it, read as the legacy front's would be:
-    an instruction's ``config`` (its scalars and broadcast blobs) and ``parameters``, a reply's
-    ``metrics``, ``properties``, ``num_examples`` and ``loss`` (protofl.federation.message_records);
-    ``message``: the message itself."""
+    an instruction's ``config`` (its scalars and broadcast blobs), a reply's ``metrics``,
+    ``properties``, ``num_examples`` and ``loss``, either's ``parameters.tensors`` (the shared
+    entries' blobs; protofl.federation.message_records); ``message``: the message itself."""
 
     def __init__(self, message, instruction=False):
         self.message = message
@@ -143,11 +143,12 @@ class Seen:
         if instruction:
             self.config = dict(content.config_records["config"])
             if "broadcasts" in content.array_records:
-                self.parameters, self.config = read_instruction(content)
+                self.config = read_instruction(content)[1]
+                self.parameters = Blobs([array.data for array in content.array_records["arrays"].values()])
         else:
             reply = read_reply(message, list(content.array_records.get("arrays", {})))
-            self.metrics, self.properties = reply.metrics, reply.properties
-            self.num_examples, self.loss, self.tensors = reply.num_examples, reply.loss, reply.parameters.tensors
+            self.metrics, self.properties, self.parameters = reply.metrics, reply.properties, reply.parameters
+            self.num_examples, self.loss = reply.num_examples, reply.loss
 
 
 class InProcessGrid(Grid):

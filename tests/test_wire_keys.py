@@ -24,10 +24,13 @@ FIELDS = ("metrics", "config", "properties")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every method's run on the legacy front, whose fit replies the tests tamper with (Flower's
+    ``FitRes``); the keys are the same on the Message API's (tests/test_round_records.py)."""
     out = tmp_path_factory.mktemp("runs")
     return {
         name: run_in_process({"method": name, "num-server-rounds": 2, "local-epochs": 1, "output-dir": str(out),
-                              "run-name": name, "global-test-pm-per-class": 10, "batch-size": 32})
+                              "run-name": name, "global-test-pm-per-class": 10, "batch-size": 32,
+                              "flower-api": "legacy"})
         for name in METHODS
     }
 
