@@ -72,6 +72,9 @@ def hostile_records(honest):
     }
 
 
+# what the reason of a drop names, where the records alone say what is wrong
+REASONS = {"an entry the server did not send": "holds ['extra']", "an entry missing": "and lacks [",
+           "a torch-serialized entry": "is not a numpy array", "a key sent twice": "sent twice (in config)"}
 HOSTILE_RECORDS = sorted(hostile_records(RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(1))}),
                                                       "metrics": MetricRecord({"num-examples": 1})})))
 
@@ -101,6 +104,7 @@ def test_records_no_honest_client_sends_are_dropped_and_the_round_goes_on(tmp_pa
         dropped = [d for d in record["dropped"] if d["stage"] == "fit"]
         assert [(d["node"], d["partition"]) for d in dropped] == [("1002", 2)], record["dropped"]
         assert 0 < len(dropped[0]["reason"]) <= 303
+        assert REASONS.get(attack, "") in dropped[0]["reason"]
 
 
 def test_a_reply_is_read_without_raising_whatever_it_holds():

@@ -106,8 +106,9 @@ class Admission:
         self, server_round: int, stage: str, results: Sequence[tuple[ClientProxy, Any]], parse: Callable
     ) -> tuple[list[Any], list[dict[str, Any]]]:
         """Each reply checked on its own: (``parse(partition_id, reply)`` of the good ones, what was
-        dropped and why). A reply must come from a node asked this round, once; whatever else is
-        wrong with it (``parse`` raises), the others go on without it."""
+        dropped and why). A reply must come from a node asked this round, once, and be readable (a
+        front that could not read it says why in its ``problem``); whatever else is wrong with it
+        (``parse`` raises), the others go on without it."""
         accepted, dropped, seen = [], [], set()
         self.server_round = server_round
         for proxy, res in results:
@@ -119,6 +120,8 @@ class Admission:
                     raise PayloadError("a second reply from this node this round")
                 seen.add(proxy.cid)
                 partition_id = self.asked[proxy.cid]
+                if problem := getattr(res, "problem", None):
+                    raise PayloadError(problem)
                 accepted.append(parse(partition_id, res))
             except Exception as err:  # whatever a client sent, the round goes on without it
                 dropped.append(drop(server_round, stage, proxy.cid, partition_id, err))

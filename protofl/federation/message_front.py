@@ -30,7 +30,7 @@ from protofl.federation.message_records import (
     ndarray_array,
     read_reply,
 )
-from protofl.federation.server_core import ServerCore
+from protofl.federation.server_core import ServerCore, rule_on_front
 from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import ClientFailed, client_error
 
@@ -204,5 +204,4 @@ class _Sender:
 def message_strategy(rule: type[ServerRule]) -> type[MessageStrategy]:
     """The Flower Message-API ``Strategy`` of a method's server rule (a plain class), named as the
     rule is."""
-    return type(rule.__name__, (rule, MessageStrategy), {"__module__": rule.__module__, "__doc__": rule.__doc__,
-                                                         "__qualname__": rule.__qualname__})
+    return rule_on_front(rule, MessageStrategy)

@@ -22,7 +22,14 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
-from protofl.federation.server_core import ClientUpdate, PayloadError, RunStopped, ServerCore, stacked_statistics
+from protofl.federation.server_core import (
+    ClientUpdate,
+    PayloadError,
+    RunStopped,
+    ServerCore,
+    rule_on_front,
+    stacked_statistics,
+)
 from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import describe_failure, parameters_bytes
 
@@ -77,5 +84,4 @@ class PrototypeStrategy(ServerCore, Strategy):
 def legacy_strategy(rule: type[ServerRule]) -> type[PrototypeStrategy]:
     """The Flower ``Strategy`` of a method's server rule (a plain class): the rule's hooks on the
     legacy front, named as the rule is."""
-    return type(rule.__name__, (rule, PrototypeStrategy), {"__module__": rule.__module__, "__doc__": rule.__doc__,
-                                                          "__qualname__": rule.__qualname__})
+    return rule_on_front(rule, PrototypeStrategy)

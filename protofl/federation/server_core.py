@@ -70,7 +70,7 @@ from protofl.task.precision import get_device
 from protofl.task.sampling import client_seed, sample_partitions
 from protofl.typed_fields import Scalar
 
-__all__ = ["ClientUpdate", "Nodes", "PayloadError", "RunStopped", "ServerCore", "stacked_statistics"]
+__all__ = ["ClientUpdate", "Nodes", "PayloadError", "RunStopped", "ServerCore", "rule_on_front", "stacked_statistics"]
 
 
 class Nodes(Protocol):
@@ -124,6 +124,13 @@ def logged_failures(server_round: int, stage: str, failed: Sequence[str], checkp
 
 class RunStopped(Exception):
     """A round cannot go on: the run ends with this one-line reason, its results so far saved."""
+
+
+def rule_on_front(rule: type[ServerRule], front: type) -> type:
+    """A method's server rule on a Flower front (a subclass of :class:`ServerCore`), named as the
+    rule is."""
+    return type(rule.__name__, (rule, front), {"__module__": rule.__module__, "__doc__": rule.__doc__,
+                                               "__qualname__": rule.__qualname__})
 
 
 class ServerCore(ServerRule):
