@@ -21,7 +21,8 @@ from flwr.server.client_proxy import ClientProxy
 
 from protofl.client_app import PrototypeClientApp, make_client_fn, release_worker_models
 from protofl.federation import client_state
-from protofl.federation.message_records import Blobs, read_instruction, read_reply
+from protofl.federation.message_records import read_instruction, read_reply
+from protofl.federation.wire import Blobs
 from protofl.server_app import build_strategy, make_server_fn
 from protofl.settings import ExperimentSettings
 from protofl.strategies import METHODS

@@ -3,11 +3,10 @@ reply, the checks of a fit reply, the screen, and the check of what goes out."""
 
 import numpy as np
 import pytest
-from fakes import OK, FakeProxy
-from flwr.common import FitRes, ndarrays_to_parameters
+from fakes import FakeProxy
 
 from protofl.federation.admission import Admission, ClientUpdate, output_problem
-from protofl.federation.wire import ClassStatistics, PayloadError
+from protofl.federation.wire import Blobs, ClassStatistics, PayloadError, Reply, encode_array
 from protofl.settings import ExperimentSettings, MethodOptions
 
 C, D = 3, 2
@@ -23,11 +22,16 @@ def admission(check_update=lambda update: None, **settings):
     return admitted
 
 
+def fit_reply(parameters, num_examples, metrics):
+    """A fit reply as a front hands it to the server template (protofl.federation.wire.Reply)."""
+    return Reply(Blobs([encode_array(a) for a in parameters]), num_examples, metrics)
+
+
 def reply(pid, shift=0.0, means=None, num_examples=3, **metrics):
     parameters = [REFERENCES[0] + np.float32(shift), REFERENCES[1]]
     means = np.ones((C, D), np.float32) if means is None else means
     metrics = {"partition-id": pid, "train-loss": 1.0, **ClassStatistics(means, COUNTS).to_metrics(), **metrics}
-    return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(parameters), num_examples, metrics)
+    return FakeProxy(str(100 + pid)), fit_reply(parameters, num_examples, metrics)
 
 
 def test_only_asked_nodes_reply_once_and_a_bad_reply_drops_alone(caplog):
@@ -81,9 +85,9 @@ def test_a_parameter_change_may_grow_with_the_clients_local_steps():
     def replies(changes):
         means = np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
         return [(FakeProxy(str(100 + p)),
-                 FitRes(OK, ndarrays_to_parameters([REFERENCES[0] + np.float32(shift), REFERENCES[1]]), sizes[p],
-                        {"partition-id": p, "train-loss": 1.0,
-                         **ClassStatistics(means, np.array([sizes[p], 0, 0])).to_metrics()}))
+                 fit_reply([REFERENCES[0] + np.float32(shift), REFERENCES[1]], sizes[p],
+                           {"partition-id": p, "train-loss": 1.0,
+                            **ClassStatistics(means, np.array([sizes[p], 0, 0])).to_metrics()}))
                 for p, shift in enumerate(changes)]
 
     updates, _ = gate.replies(1, "fit", replies([0.01, 0.02, 0.5, 0.5]), gate.fit_update)

@@ -9,6 +9,7 @@ from flwr.common import GetPropertiesRes
 from flwr.server import SimpleClientManager
 
 from protofl.federation.partitions import DISCOVERY_ATTEMPTS, PartitionDiscovery, PartitionRegistry
+from protofl.federation.server import ProxyNodes
 from protofl.task.data import PartitionSizes
 
 
@@ -82,7 +83,7 @@ def test_a_node_whose_query_failed_is_asked_again_a_few_times():
     assert registry.to_query(["bad"]) == []  # a malformed answer is not asked again
 
 
-# --- discovery on a client manager, without a Flower round ------------------------------------
+# --- discovery on a legacy client manager, without a Flower round ---------------------------------
 
 
 class Node(FakeProxy):
@@ -102,11 +103,12 @@ class Node(FakeProxy):
         return GetPropertiesRes(OK, self.reply)
 
 
-class Manager(SimpleClientManager):
-    def __init__(self, nodes):
-        super().__init__()
-        for node in nodes:
-            self.register(node)
+def Manager(nodes):
+    """The nodes on a legacy client manager, as the legacy front hands them to discovery."""
+    manager = SimpleClientManager()
+    for node in nodes:
+        manager.register(node)
+    return ProxyNodes(manager)
 
 
 def test_discovery_finds_the_holders_and_asks_a_failed_node_again_next_round():

@@ -115,6 +115,41 @@ def test_the_methods_and_the_task_import_no_flower():
     assert "protofl.federation.server" in flower_importers("protofl.federation")  # the finder finds one
 
 
+# Flower's legacy API: its deprecated packages, and flwr.common's legacy messages and their types
+LEGACY_PACKAGES = ("flwr.server", "flwr.client", "flwr.compat")
+LEGACY_COMMON = {"Code", "EvaluateIns", "EvaluateRes", "FitIns", "FitRes", "GetParametersIns", "GetParametersRes",
+                 "GetPropertiesIns", "GetPropertiesRes", "NDArrays", "Parameters", "Scalar", "Status",
+                 "ndarrays_to_parameters", "parameters_to_ndarrays"}
+# the modules that hold the legacy front: its Strategy and NumPyClient, and the apps' legacy halves
+LEGACY_FRONT = {"protofl.federation.server", "protofl.federation.numpy_front", "protofl.server_app",
+                "protofl.client_app", "protofl.flower_compat"}
+
+
+def legacy_flower_imports(tree: ast.Module) -> set[str]:
+    def legacy(module: str) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in LEGACY_PACKAGES)  # not flwr.serverapp
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if legacy(a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.module and legacy(node.module):
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flwr.common"):
+            found |= {f"{node.module}.{a.name}" for a in node.names if a.name in LEGACY_COMMON}
+    return found
+
+
+def test_only_the_legacy_front_imports_flowers_legacy_api():
+    """The server template, discovery, admission, evaluation and the wire read plain replies
+    (protofl.federation.wire.Reply) and nodes (protofl.federation.partitions.Nodes): Flower's
+    deprecated legacy classes appear only in the legacy front's modules, which each front's edge
+    turns into those."""
+    found = {name: sorted(legacy_flower_imports(tree)) for name, tree in modules().items()}
+    assert "flwr.common.FitRes" in found["protofl.federation.server"]  # the finder finds them
+    assert {name: names for name, names in found.items() if names and name not in LEGACY_FRONT} == {}
+
+
 def test_no_method_class_derives_from_a_flower_class():
     """A method's server rule and client rule, and the templates under them, are plain classes;
     Flower's classes are the fronts over them (protofl.federation.server.legacy_strategy,

@@ -21,9 +21,7 @@ from logging import WARNING
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-from flwr.common import FitRes, Scalar
 from flwr.common.logger import log
-from flwr.server.client_proxy import ClientProxy
 
 from protofl.federation.partitions import KnownSizes
 from protofl.federation.screen import screen_updates
@@ -34,6 +32,7 @@ from protofl.federation.wire import (
     ArraySpec,
     ClassStatistics,
     PayloadError,
+    Reply,
     checked_count,
     checked_loss,
     decode_array,
@@ -42,7 +41,7 @@ from protofl.federation.wire import (
     rejection_reason,
 )
 from protofl.settings import ExperimentSettings, MethodOptions
-from protofl.typed_fields import is_int
+from protofl.typed_fields import Scalar, is_int
 from protofl.task.models import client_architecture
 from protofl.task.train import steps_per_epoch
 
@@ -98,12 +97,12 @@ class Admission:
         self.server_round = 0  # the round whose replies are being checked (a method's check_update may read it)
         self.sent_parameters: list[np.ndarray] = list(references)  # what this round's clients train from
 
-    def partitions(self, results: Sequence[tuple[ClientProxy, Any]]) -> list[int]:
+    def partitions(self, results: Sequence[tuple[Any, Reply]]) -> list[int]:
         """The partitions of the nodes asked this round that replied (whatever their replies hold)."""
-        return sorted({self.asked[proxy.cid] for proxy, _ in results if proxy.cid in self.asked})
+        return sorted({self.asked[node.cid] for node, _ in results if node.cid in self.asked})
 
     def replies(
-        self, server_round: int, stage: str, results: Sequence[tuple[ClientProxy, Any]], parse: Callable
+        self, server_round: int, stage: str, results: Sequence[tuple[Any, Reply]], parse: Callable
     ) -> tuple[list[Any], list[dict[str, Any]]]:
         """Each reply checked on its own: (``parse(partition_id, reply)`` of the good ones, what was
         dropped and why). A reply must come from a node asked this round, once, and be readable (a
@@ -111,23 +110,23 @@ class Admission:
         (``parse`` raises), the others go on without it."""
         accepted, dropped, seen = [], [], set()
         self.server_round = server_round
-        for proxy, res in results:
+        for node, res in results:
             partition_id = None
             try:
-                if proxy.cid not in self.asked:
+                if node.cid not in self.asked:
                     raise PayloadError("this node was not asked this round")
-                if proxy.cid in seen:
+                if node.cid in seen:
                     raise PayloadError("a second reply from this node this round")
-                seen.add(proxy.cid)
-                partition_id = self.asked[proxy.cid]
-                if problem := getattr(res, "problem", None):
-                    raise PayloadError(problem)
+                seen.add(node.cid)
+                partition_id = self.asked[node.cid]
+                if res.problem:
+                    raise PayloadError(res.problem)
                 accepted.append(parse(partition_id, res))
             except Exception as err:  # whatever a client sent, the round goes on without it
-                dropped.append(drop(server_round, stage, proxy.cid, partition_id, err))
+                dropped.append(drop(server_round, stage, node.cid, partition_id, err))
         return accepted, dropped
 
-    def fit_update(self, partition_id: int, res: FitRes) -> ClientUpdate:
+    def fit_update(self, partition_id: int, res: Reply) -> ClientUpdate:
         """A fit reply decoded and checked (raises :class:`PayloadError`)."""
         metrics = dict(res.metrics)
         pid = metrics.get(PARTITION_ID)

@@ -12,9 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from flwr.common import EvaluateRes, FitRes
 from flwr.common.logger import log
-from flwr.server.client_proxy import ClientProxy
 
 from protofl.federation.admission import Admission
 from protofl.federation.wire import (
@@ -23,6 +21,7 @@ from protofl.federation.wire import (
     PM_L,
     PM_V,
     PayloadError,
+    Reply,
     checked_count,
     checked_loss,
     embedded_evaluation,
@@ -60,7 +59,7 @@ class PersonalizedEvaluation:
         self.reported_keys = {CORRECT} | {f"{CORRECT}-{name}" for name in predictor_names}
         self.pending: int | None = None  # the round the next fit message's clients score
 
-    def checked(self, partition_id: int, res: EvaluateRes) -> tuple[int, EvaluateRes]:
+    def checked(self, partition_id: int, res: Reply) -> tuple[int, Reply]:
         """An evaluation checked: its partition, its size (the partition's test size), a finite
         loss >= 0, counts of correct predictions within its size, of the method's predictors only,
         PM(L)/PM(V) in [0, 1]."""
@@ -83,12 +82,12 @@ class PersonalizedEvaluation:
                 raise PayloadError(f"{key} must be a number in [0, 1], got {value!r}")
         return partition_id, res
 
-    def checked_embedded(self, partition_id: int, res: FitRes) -> tuple[int, EvaluateRes]:
+    def checked_embedded(self, partition_id: int, res: Reply) -> tuple[int, Reply]:
         """The evaluation a fit reply carries, checked as an evaluate reply."""
         return self.checked(partition_id, embedded_evaluation(res))
 
     def record(
-        self, server_round: int, results: Sequence[tuple[ClientProxy, Any]], in_fit: bool = False,
+        self, server_round: int, results: Sequence[tuple[Any, Reply]], in_fit: bool = False,
         started: float | None = None,
     ) -> tuple[float | None, dict[str, Any]]:
         """Check the evaluations of ``server_round``'s model, from evaluate replies or (``in_fit``)
@@ -111,7 +110,7 @@ class PersonalizedEvaluation:
         return loss, {k: v for k, v in fields.items() if isinstance(v, float)}
 
 
-def personalized_fields(results: Sequence[EvaluateRes]) -> dict[str, Any]:
+def personalized_fields(results: Sequence[Reply]) -> dict[str, Any]:
     """PM fields of a round from valid evaluation results: sample-weighted accuracy and its
     across-client statistics, each predictor's accuracy, and FedNH's PM(L) / PM(V); each over
     the results that report it."""

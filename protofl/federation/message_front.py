@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from logging import INFO
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -23,42 +23,24 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from protofl.federation.checkpoint import Checkpoint
-from protofl.federation.message_records import (
-    CONFIG,
-    Reply,
-    instruction,
-    ndarray_array,
-    read_reply,
-)
+from protofl.federation.message_records import CONFIG, instruction, ndarray_array, read_reply
 from protofl.federation.server_core import ServerCore, rule_on_front
 from protofl.federation.server_rule import ServerRule
-from protofl.federation.wire import ClientFailed, client_error
+from protofl.federation.wire import ClientFailed, Reply, client_error
 
 __all__ = ["GridNodes", "MessageStrategy", "message_strategy"]
 
 
 class GridNode:
-    """A node of the grid, as partition discovery asks it (``cid``, ``get_properties``)."""
+    """A node of the grid, as the server template knows nodes (by ``cid``)."""
 
-    def __init__(self, grid: Grid, node_id: int) -> None:
-        self.grid, self.node_id, self.cid = grid, node_id, str(node_id)
-
-    def get_properties(self, ins: Any, timeout: float | None, group_id: int | str | None) -> Reply:
-        """A query message with ``ins.config``; the reply's properties (a failed or missing reply raises)."""
-        message = Message(RecordDict({CONFIG: ConfigRecord(dict(ins.config))}), self.node_id, MessageType.QUERY)
-        replies = list(self.grid.send_and_receive([message], timeout=timeout))
-        if not replies:
-            raise TimeoutError(f"no reply within {timeout} s")
-        if replies[0].has_error():
-            raise ClientFailed(client_error(str(replies[0].error.reason)))
-        reply = read_reply(replies[0], [])
-        if reply.problem:
-            raise ValueError(reply.problem)
-        return reply
+    def __init__(self, node_id: int) -> None:
+        self.node_id, self.cid = node_id, str(node_id)
 
 
 class GridNodes:
-    """The grid's live nodes, as the server template sees a federation's (``all``, ``wait_for``)."""
+    """The grid's live nodes as the server template's :class:`~protofl.federation.partitions.Nodes`:
+    a query is a ``query`` message."""
 
     poll = 1.0
 
@@ -66,7 +48,7 @@ class GridNodes:
         self.grid = grid
 
     def all(self) -> dict[str, GridNode]:
-        return {str(node_id): GridNode(self.grid, node_id) for node_id in self.grid.get_node_ids()}
+        return {str(node_id): GridNode(node_id) for node_id in self.grid.get_node_ids()}
 
     def wait_for(self, num_nodes: int, timeout: int) -> bool:
         deadline = time.monotonic() + timeout
@@ -75,6 +57,19 @@ class GridNodes:
                 return False
             time.sleep(self.poll)
         return True
+
+    def properties(self, node: GridNode, query: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        """The node's reply to a query message of ``query`` (a failed or missing reply raises)."""
+        message = Message(RecordDict({CONFIG: ConfigRecord(dict(query))}), node.node_id, MessageType.QUERY)
+        replies = list(self.grid.send_and_receive([message], timeout=timeout))
+        if not replies:
+            raise TimeoutError(f"no reply within {timeout} s")
+        if replies[0].has_error():
+            raise ClientFailed(client_error(str(replies[0].error.reason)))
+        reply = read_reply(replies[0], [])
+        if reply.problem:
+            raise ValueError(reply.problem)
+        return reply.properties
 
 
 class MessageStrategy(ServerCore, Strategy):
@@ -120,11 +115,11 @@ class MessageStrategy(ServerCore, Strategy):
         loss, metrics = self.evaluate_results(server_round, results, failures)
         return MetricRecord(metrics | ({} if loss is None else {"loss": loss}))
 
-    def read_replies(self, replies: Iterable[Message]) -> tuple[list[tuple[GridNode | Any, Reply]], list[str]]:
+    def read_replies(self, replies: Iterable[Message]) -> tuple[list[tuple[GridNode, Reply]], list[str]]:
         """(the replies, each read once, with the node that sent it; the failed messages' lines)."""
         results, failures = [], []
         for message in replies:
-            node = _Sender(str(message.metadata.src_node_id))
+            node = GridNode(message.metadata.src_node_id)
             if message.has_error():
                 failures.append(client_error(str(message.error.reason)))
             else:
@@ -191,13 +186,6 @@ class MessageStrategy(ServerCore, Strategy):
                 result.evaluate_metrics_clientapp[server_round] = scored
             self.recorder.track(server_round)  # the rounds before it, which are complete
             self.checkpoints.save(server_round, parameters, self.server_state)
-
-
-class _Sender:
-    """The node a reply came from, as admission knows nodes (by ``cid``)."""
-
-    def __init__(self, cid: str) -> None:
-        self.cid = cid
 
 
 @functools.cache

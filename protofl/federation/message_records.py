@@ -23,13 +23,12 @@ reply's ``problem``, and admission drops it with that reason.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from protofl.federation.wire import encode_array, read_npy_header
+from protofl.federation.wire import Blobs, Reply, encode_array, read_npy_header
 from protofl.task.storage import NUMPY_HEADER_LOCK
 from protofl.typed_fields import Scalar
 
@@ -105,27 +104,6 @@ def evaluate_reply(loss: float, num_examples: int, metrics: Mapping[str, Scalar]
 
 def properties_reply(properties: Mapping[str, Scalar]) -> RecordDict:
     return RecordDict({PROPERTIES: ConfigRecord(dict(properties))})
-
-
-@dataclass
-class Blobs:
-    """The shared entries of a reply as ``.npy`` blobs, in the server's order (a legacy
-    ``Parameters``' ``tensors``)."""
-
-    tensors: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class Reply:
-    """A client's reply as the server template reads it, whichever front it came by: a fit or
-    evaluate result's fields; ``problem``: why it could not be read (admission drops it)."""
-
-    parameters: Blobs = field(default_factory=Blobs)
-    num_examples: Any = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    loss: Any = None
-    problem: str | None = None
-    properties: dict[str, Any] = field(default_factory=dict)
 
 
 def read_reply(message: Message, names: Sequence[str]) -> Reply:

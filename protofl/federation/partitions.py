@@ -17,8 +17,9 @@ is a claim, and a claim is only believed when it fits what the server knows:
 - a partition claimed by two live nodes is given to neither (logged) until one of them is gone: a
   node that restarts under a new node id gets its partition back once the old id has left.
 
-:class:`PartitionDiscovery` runs the protocol on Flower's client manager each round;
-:class:`PartitionRegistry` holds the claims and decides what to believe.
+:class:`PartitionDiscovery` runs the protocol on a front's :class:`Nodes` each round (the legacy
+front's client manager, the Message API's grid); :class:`PartitionRegistry` holds the claims and
+decides what to believe.
 """
 
 from __future__ import annotations
@@ -28,13 +29,10 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from logging import WARNING
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
-from flwr.common import GetPropertiesIns
 from flwr.common.logger import log
-from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
 
 from protofl.federation.wire import (
     NUM_PARTITIONS,
@@ -56,6 +54,18 @@ DISCOVERY_TIMEOUT = 120.0  # seconds a node has to answer, and the first discove
 ExpectedSizes = Callable[[int, int], PartitionSizes]
 # partition_id -> (training size, test size, class counts or None), or None when nothing is known
 KnownSizes = Callable[[int], "tuple[int, int, np.ndarray | None] | None"]
+
+
+class Nodes(Protocol):
+    """A federation's nodes as the server template sees them, whichever Flower front: the live
+    ones by id (``all``, each node with its ``cid``), ``wait_for``, and a node's answer to a query
+    (``properties``: its properties, else it raises: a failed or missing reply)."""
+
+    def all(self) -> dict[str, Any]: ...
+
+    def wait_for(self, num_nodes: int, timeout: int) -> bool: ...
+
+    def properties(self, node: Any, query: Mapping[str, Any], timeout: float) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,7 @@ class PartitionRegistry:
 
 
 class PartitionDiscovery:
-    """Which live node holds which partition, found by asking the nodes (``get_properties``)."""
+    """Which live node holds which partition, found by asking the nodes (:meth:`Nodes.properties`)."""
 
     poll = 1.0  # seconds between queries of newly listed nodes while partitions lack a holder
 
@@ -189,59 +199,58 @@ class PartitionDiscovery:
         self.properties_timeout = timeout
         self.start_timeout = DISCOVERY_TIMEOUT  # how long the first discovery waits for every partition's node
         self.registry = PartitionRegistry(num_partitions, expected)
-        self.nodes: dict[int, ClientProxy] = {}  # partition id -> the node holding it
+        self.nodes: dict[int, Any] = {}  # partition id -> the node holding it
         self.query: dict[str, Any] = {}  # the config of the properties query
         self.waited_for_all = False
 
-    def discover(self, client_manager: ClientManager, query: Mapping[str, Any] | None = None) -> None:
+    def discover(self, nodes: Nodes, query: Mapping[str, Any] | None = None) -> None:
         """Ask the nodes not asked yet (and those whose query failed) for their partition (``query``:
         the run's identity, for the state they hold); the first time, wait for as many nodes as the
         run has partitions, then fix that number. :attr:`nodes` becomes the believed holders among
         the live nodes."""
         self.query = dict(query or {})
-        client_manager.wait_for(1, timeout=int(self.start_timeout))
-        self._query(client_manager)
+        nodes.wait_for(1, timeout=int(self.start_timeout))
+        self._query(nodes)
         if not self.waited_for_all:
             self.waited_for_all = True
             deadline = time.monotonic() + self.start_timeout
-            while self._waiting_for_nodes(client_manager) and time.monotonic() < deadline:
+            while self._waiting_for_nodes(nodes) and time.monotonic() < deadline:
                 time.sleep(self.poll)
-                self._query(client_manager)
+                self._query(nodes)
             self.registry.freeze()
-        live = client_manager.all()
+        live = nodes.all()
         self.nodes = {pid: live[node] for pid, node in self.registry.holders(live).items()}
 
-    def _waiting_for_nodes(self, client_manager: ClientManager) -> bool:
+    def _waiting_for_nodes(self, nodes: Nodes) -> bool:
         """Whether partitions lack a holder while fewer nodes than partitions have answered: nodes
         still starting, or a restarted node (a new id) whose dead id is still listed (until its
         heartbeat lapses, up to 60 s) and fails its query."""
         expected = self.registry.num_partitions or 0
-        live = client_manager.all()
+        live = nodes.all()
         answered = sum(node in self.registry.claims or node in self.registry.refused for node in live)
         return len(self.registry.holders(live)) < expected and answered < expected
 
-    def _query(self, client_manager: ClientManager) -> None:
-        live = client_manager.all()
-        nodes = [live[node] for node in self.registry.to_query(live)]
-        ins = GetPropertiesIns(config=self.query)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(nodes)))) as pool:
-            replies = list(pool.map(lambda p: _answer(p.get_properties, ins, self.properties_timeout, 0), nodes))
-        for proxy, (reply, seconds) in zip(nodes, replies):
+    def _query(self, nodes: Nodes) -> None:
+        live = nodes.all()
+        asked = [live[node] for node in self.registry.to_query(live)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(asked)))) as pool:
+            replies = list(pool.map(lambda node: _answer(nodes.properties, node, self.query, self.properties_timeout),
+                                    asked))
+        for node, (reply, seconds) in zip(asked, replies):
             failed = isinstance(reply, BaseException)
             if not failed and self.observe is not None:
-                self.observe(getattr(reply, "properties", None))
-            self.registry.record(proxy.cid, reply if failed else reply.properties,
-                                 timed_out=failed and seconds >= 0.9 * self.properties_timeout)
+                self.observe(reply)
+            self.registry.record(node.cid, reply, timed_out=failed and seconds >= 0.9 * self.properties_timeout)
 
-    def available(self, client_manager: ClientManager) -> list[int]:
+    def available(self, nodes: Nodes) -> list[int]:
         """The partitions whose holder is live, in order."""
-        live = client_manager.all()
-        return sorted(pid for pid, proxy in self.nodes.items() if proxy.cid in live)
+        live = nodes.all()
+        return sorted(pid for pid, node in self.nodes.items() if node.cid in live)
 
-    def unavailable_reason(self, client_manager: ClientManager) -> str:
+    def unavailable_reason(self, nodes: Nodes) -> str:
         """Why no live node holds a partition: how many nodes are connected and the commonest things
         their queries said (a failure's own line, a refusal, a claim not believed)."""
-        live, registry = sorted(client_manager.all()), self.registry
+        live, registry = sorted(nodes.all()), self.registry
         if not live:
             return "No node is connected"
         said = Counter(
@@ -250,13 +259,13 @@ class PartitionDiscovery:
             or ("its partition is claimed by another node too" if node in registry.claims else "no answer")
             for node in live
         )
-        nodes = f"{len(live)} node{'s' if len(live) > 1 else ''} connected: "
-        return nodes + "; ".join(f"{reason} ({count})" for reason, count in said.most_common(3))
+        connected = f"{len(live)} node{'s' if len(live) > 1 else ''} connected: "
+        return connected + "; ".join(f"{reason} ({count})" for reason, count in said.most_common(3))
 
     def state_rounds(self) -> dict[int, int | None]:
         """Partition id -> the round of the newest state its holder said it holds (None: not said)."""
-        return {pid: getattr(self.registry.claims.get(proxy.cid), "state_round", None)
-                for pid, proxy in self.nodes.items()}
+        return {pid: getattr(self.registry.claims.get(node.cid), "state_round", None)
+                for pid, node in self.nodes.items()}
 
     def known_sizes(self, partition_id: int) -> tuple[int, int, np.ndarray | None] | None:
         """(training size, test size, class counts or None) of a partition: from the server's data
@@ -264,8 +273,8 @@ class PartitionDiscovery:
         sizes = self.registry.sizes(partition_id)
         if sizes is not None:
             return int(sizes.train_counts.sum()), sizes.num_test, sizes.train_counts
-        proxy = self.nodes.get(partition_id)
-        claim = self.registry.claims.get(proxy.cid) if proxy is not None else None
+        node = self.nodes.get(partition_id)
+        claim = self.registry.claims.get(node.cid) if node is not None else None
         return (claim.num_train, claim.num_test, None) if claim is not None else None
 
 

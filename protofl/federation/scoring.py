@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
-from flwr.common import Scalar
 
 from protofl.federation.wire import CORRECT, PARTITION_ID, PM_L, PM_V
 from protofl.report import class_weighted_accuracy
 from protofl.settings import ExperimentSettings
+from protofl.typed_fields import Scalar
 from protofl.task.data import ClientData, load_global_test
 from protofl.task.inference import head_loss_and_correct
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from logging import ERROR, INFO, WARNING
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ from protofl.federation.admission import (
 )
 from protofl.federation.checkpoint import Checkpoint, RunCheckpoints
 from protofl.federation.evaluation import PersonalizedEvaluation, global_model_scores
-from protofl.federation.partitions import DISCOVERY_TIMEOUT, ExpectedSizes, PartitionDiscovery
+from protofl.federation.partitions import DISCOVERY_TIMEOUT, ExpectedSizes, Nodes, PartitionDiscovery
 from protofl.federation.privacy_accounting import PrivacyAccounting
 from protofl.federation.server_rule import ServerRule
 from protofl.federation.server_state import MethodState
@@ -71,15 +71,6 @@ from protofl.task.sampling import client_seed, sample_partitions
 from protofl.typed_fields import Scalar
 
 __all__ = ["ClientUpdate", "Nodes", "PayloadError", "RunStopped", "ServerCore", "rule_on_front", "stacked_statistics"]
-
-
-class Nodes(Protocol):
-    """The nodes of a federation as the server template sees them, whichever front: ``all()``, the
-    live ones by id (each with its ``cid`` and ``get_properties``), and ``wait_for``."""
-
-    def all(self) -> dict[str, Any]: ...
-
-    def wait_for(self, num_nodes: int, timeout: int) -> bool: ...
 
 
 Instruction = tuple[Any, dict[str, Any]]  # (a node, its message's config: scalars, and arrays as .npy bytes)

@@ -1,10 +1,14 @@
-"""The wire: what server and clients send each other, and the checks on it.
+"""The wire: what server and clients send each other, and the checks on it, whichever Flower front
+carries it.
 
-Legacy Flower API: model arrays travel as the ``Parameters``; every other array as
-``np.save(..., allow_pickle=False)`` bytes in ``FitRes.metrics`` (client -> server) and in
-``FitIns.config`` / ``EvaluateIns.config`` (server -> client), next to scalar values. Every key
-two modules share is spelled here, once; a key only one method uses is spelled in that method's
-module. Nothing is ever unpickled: a blob is read only after its ``.npy`` header is checked.
+Every array travels as ``np.save(..., allow_pickle=False)`` bytes: on the legacy front, model
+arrays as the ``Parameters`` and every other array in ``FitRes.metrics`` (client -> server) and in
+``FitIns.config`` / ``EvaluateIns.config`` (server -> client), next to scalar values; on the
+Message API, the same bytes in ``ArrayRecord`` records (:mod:`protofl.federation.message_records`).
+Each front reads a client's reply once, at its edge, into a :class:`Reply`, which is all the server
+template reads. Every key two modules share is spelled here, once; a key only one method uses is
+spelled in that method's module. Nothing is ever unpickled: a blob is read only after its ``.npy``
+header is checked.
 
 Typed payloads:
 
@@ -20,14 +24,13 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from flwr.common import Code, EvaluateRes, FitRes, Parameters, Scalar, Status
 
 from protofl.federation.screen import UploadScale
-from protofl.typed_fields import is_int, is_number
+from protofl.typed_fields import Scalar, is_int, is_number
 from protofl.task.privacy import privatize_class_means
 from protofl.task.storage import NUMPY_HEADER_LOCK
 
@@ -99,6 +102,27 @@ _CAUSE = "\nThe above exception was the direct cause of the following exception:
 
 class ClientFailed(Exception):
     """A message that failed on the client (:func:`client_error`'s line)."""
+
+
+@dataclass
+class Blobs:
+    """The shared entries of a reply as ``.npy`` blobs, in the server's order."""
+
+    tensors: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    """A client's reply as the server template reads it, whichever front it came by, unchecked: a
+    fit or evaluate result's fields, or a query's ``properties``; ``problem``: why the front could
+    not read it (admission drops it with that reason)."""
+
+    parameters: Blobs = field(default_factory=Blobs)
+    num_examples: Any = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    loss: Any = None
+    problem: str | None = None
+    properties: dict[str, Any] = field(default_factory=dict)
 
 
 def describe_failure(failure: Any) -> str:
@@ -222,10 +246,6 @@ def payload_bytes(values: Mapping[str, Any]) -> int:
     return sum(len(v) for v in values.values() if isinstance(v, bytes))
 
 
-def parameters_bytes(parameters: Parameters) -> int:
-    return sum(len(t) for t in parameters.tensors)
-
-
 # ---------------------------------------------------------------------------------------
 # Per-round config
 # ---------------------------------------------------------------------------------------
@@ -285,13 +305,13 @@ def evaluation_as_fit_metrics(loss: float, num_examples: int, metrics: Mapping[s
     }
 
 
-def embedded_evaluation(res: FitRes) -> EvaluateRes:
+def embedded_evaluation(res: Reply) -> Reply:
     """The evaluation a fit reply carries (:func:`evaluation_as_fit_metrics`) as an evaluate reply,
     unchecked: the server checks it like any other."""
     metrics = {k[len(EVALUATED):]: v for k, v in dict(res.metrics).items()
                if isinstance(k, str) and k.startswith(EVALUATED)}
     loss, num_examples = metrics.pop("loss", None), metrics.pop("num-examples", None)
-    return EvaluateRes(Status(Code.OK, ""), loss, num_examples, metrics)
+    return Reply(num_examples=num_examples, metrics=metrics, loss=loss)
 
 
 # ---------------------------------------------------------------------------------------
