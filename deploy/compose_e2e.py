@@ -9,7 +9,7 @@ the state volumes and ``resume=true`` carry the runs through.
 
     python deploy/compose_e2e.py register --port P --home DIR [--root-certificates CA] --keys KEY.pub ...
     python deploy/compose_e2e.py run --port P --home DIR [--root-certificates CA] --name NAME \
-        --compose "docker-compose --project-name X -f docker-compose.yml ..."
+        --compose "docker-compose --project-name X -f docker-compose.yml ..." [--flower-api legacy]
     python deploy/compose_e2e.py attack --port EDGE --home DIR --root-certificates CA --stranger DIR \
         --compose "..."
     python deploy/compose_e2e.py faults --port P --home DIR --compose "..."   (the insecure demo)
@@ -220,8 +220,8 @@ def unreachable_beyond_loopback(port: int) -> list[str]:
     return addresses
 
 
-def run(home: Path, name: str, compose: list[str]) -> None:
-    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}'")
+def run(home: Path, name: str, compose: list[str], front: str = "message") -> None:
+    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}' flower-api='{front}'")
     results = Deployment(compose).results(name)
     if results is None:
         sys.exit(f"{RUNS}/{name}/results.json is not in superexec-serverapp")
@@ -376,6 +376,8 @@ def main() -> None:
     parser.add_argument("--keys", nargs="+", default=[], help="register: the SuperNodes' public keys")
     parser.add_argument("--compose", default="", help="run, attack, faults: the docker-compose command of the project")
     parser.add_argument("--stranger", type=Path, help="attack: credentials of another CA (operator.crt/.key)")
+    parser.add_argument("--flower-api", default="message", choices=["message", "legacy"],
+                        help="run: the Flower front the run takes (the run config's flower-api)")
     args = parser.parse_args()
     home = native.cli_home(args.home, f"127.0.0.1:{args.port}", args.root_certificates)
     if args.action == "attack":
@@ -387,7 +389,7 @@ def main() -> None:
     elif args.action == "faults":
         faults(home, shlex.split(args.compose))
     else:
-        run(home, args.name, shlex.split(args.compose))
+        run(home, args.name, shlex.split(args.compose), args.flower_api)
 
 
 if __name__ == "__main__":

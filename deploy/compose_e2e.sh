@@ -2,7 +2,8 @@
 # The docker compose demo, built and run for real: the insecure demo, then the TLS + SuperNode
 # authentication variant behind the edge (the operator's flwr through deploy/operator_tunnel.py,
 # outsiders refused, the edge on 127.0.0.1 unless SUPERLINK_PUBLIC_ADDRESS says otherwise), each a
-# 2-round FedProto run on digits with 2 SuperNodes, its results.json, the containers' logs and their
+# 2-round FedProto run on digits with 2 SuperNodes (the insecure demo's on the Message API, the
+# default Flower front; the variant's on the legacy front), its results.json, the containers' logs and their
 # hardening (no capabilities, no-new-privileges, read-only root, ports on 127.0.0.1) checked. Every
 # image built is checked for the build CA in its layers and history, and for a Python its runtime
 # user can write (deploy/image_check.py). The insecure demo then survives faults (deploy/compose_e2e.py
@@ -158,6 +159,8 @@ flwr_side attack outsider --port "$SUPERLINK_PUBLIC_PORT" --root-certificates "$
   --stranger "$work/stranger" --compose "docker-compose --project-name $project ${compose_files[*]}"
 flwr_side register edge --port "$tunnel_port" --keys "$CREDENTIALS_DIR"/supernode-1.pub "$CREDENTIALS_DIR"/supernode-2.pub
 compose up -d
-flwr_side run edge --port "$tunnel_port" --name edge --compose "docker-compose --project-name $project ${compose_files[*]}"
+# this run takes the legacy Flower front (flower-api), the insecure demo's the Message API, the default
+flwr_side run edge --port "$tunnel_port" --name edge --flower-api legacy \
+  --compose "docker-compose --project-name $project ${compose_files[*]}"
 down edge
 log "passed"

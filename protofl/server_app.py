@@ -229,23 +229,27 @@ class PrototypeServerApp(ServerApp):
     its rounds on the grid; ``"legacy"``: Flower's ServerApp of :func:`make_server_fn`, the legacy
     server loop. Either is told whether it runs a deployment (whose nodes keep their state on their
     own disks), with :class:`PromptReplies` around a deployment's grid (simulation's in-memory grid
-    already polls every 0.1 s). A run that stopped raises :class:`RunFailed` at its end."""
+    already polls every 0.1 s). A run that stopped raises :class:`RunFailed` at its end.
+    ``run_config`` replaces ``context.run_config``, as :class:`~protofl.client_app.PrototypeClientApp`'s
+    does (``flwr.simulation.run_simulation`` leaves it empty)."""
 
-    def __init__(self) -> None:
-        super().__init__(server_fn=make_server_fn())
+    def __init__(self, run_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(server_fn=make_server_fn(run_config))
+        self.run_config = run_config
 
     def __call__(self, grid: Grid, context: Context) -> None:
         deployment = isinstance(grid, HttpGrid)
         if deployment:
             grid = PromptReplies(grid)
-        settings = ExperimentSettings.from_run_config(context.run_config)
+        settings = ExperimentSettings.from_run_config(
+            self.run_config if self.run_config is not None else context.run_config)
         if settings.flower_api == "message":
             strategy, _ = build_strategy(settings, deployment)
             strategy.start(grid)
             stopped = strategy.stopped
         else:
             if deployment:
-                replace_server_fn(self, make_server_fn(deployment=True))
+                replace_server_fn(self, make_server_fn(self.run_config, deployment=True))
             super().__call__(grid, context)
             stopped = server_of(self).stopped  # the PrototypeServer the server_fn made for this run
         if stopped:

@@ -6,7 +6,8 @@ not the head's disk). Each node offers one CPU, so the ClientApps run on both.
 The clients' state in the run directory (the default) is not on the worker's disk: the run stops in
 round 1, naming the directory and the worker. A state dir both nodes see, and ``state-dir=memory``
 (the state travels in Flower's context), give the same rounds as the same federation in one process;
-so does FedAvg, which keeps no state."""
+so does FedAvg, which keeps no state. The runs take both Flower fronts (``flower-api``): protofl's
+ServerApp and ClientApp, as the SuperExec loads them."""
 
 import json
 import os
@@ -20,14 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.client import ClientApp
-from flwr.server import ServerApp
 from flwr.simulation import run_simulation
 from inprocess import run_in_process
 from native import kill_trees, pids_with_argument
 
-from protofl.client_app import make_client_fn
-from protofl.server_app import make_server_fn
+from protofl.client_app import PrototypeClientApp
+from protofl.server_app import PrototypeServerApp, RunFailed
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,9 +78,9 @@ def wait_for_nodes(ray: str, address: str, count: int, timeout: float = 90.0) ->
     raise AssertionError(f"the Ray cluster at {address} did not reach {count} nodes in {timeout:.0f} s")
 
 
-def run_config(directory: Path, name: str, method: str, **overrides) -> dict:
+def run_config(directory: Path, name: str, method: str, front: str = "message", **overrides) -> dict:
     return {"method": method, "dataset": "digits", "num-server-rounds": 2, "output-dir": str(directory),
-            "run-name": name} | overrides
+            "run-name": name, "flower-api": front} | overrides
 
 
 def on_cluster(address: str, config: dict) -> dict:
@@ -91,7 +90,7 @@ def on_cluster(address: str, config: dict) -> dict:
     torch.set_num_threads(1)
     try:
         run_simulation(
-            ServerApp(server_fn=make_server_fn(config)), ClientApp(client_fn=make_client_fn(config)), num_supernodes=3,
+            PrototypeServerApp(config), PrototypeClientApp(config), num_supernodes=3,
             backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"address": address}},
         )
     finally:
@@ -101,21 +100,25 @@ def on_cluster(address: str, config: dict) -> dict:
 
 def test_state_in_the_head_only_run_directory_stops_the_run_naming_the_worker(cluster):
     address, head_only = cluster
-    results = on_cluster(address, run_config(head_only, "default", "fedproto", **{"num-server-rounds": 1}))
+    config = run_config(head_only, "default", "fedproto", **{"num-server-rounds": 1})
+    with pytest.raises(RunFailed):  # a failed run, its one line in its results
+        on_cluster(address, config)
+    results = json.loads((head_only / "default" / "results.json").read_text())
     assert results["stopped"].startswith(
         f"round 1: state-dir {head_only / 'default' / 'client-state'} is not shared with the ServerApp: "
         f"the ClientApp on {WORKER} does not see the marker")
     assert "\n" not in results["stopped"]
 
 
-@pytest.mark.parametrize("method, state_dir", [("fedproto", "shared"), ("fedsa", "memory"), ("fedavg", "")])
-def test_runs_on_both_nodes_equal_the_same_federation_in_one_process(cluster, tmp_path, method, state_dir):
+@pytest.mark.parametrize("method, state_dir, front", [("fedproto", "shared", "message"), ("fedsa", "memory", "legacy"),
+                                                      ("fedavg", "", "message")])
+def test_runs_on_both_nodes_equal_the_same_federation_in_one_process(cluster, tmp_path, method, state_dir, front):
     address, head_only = cluster
     overrides = {"state-dir": str(tmp_path / "state") if state_dir == "shared" else state_dir}
-    results = on_cluster(address, run_config(head_only, method, method, **overrides))
+    results = on_cluster(address, run_config(head_only, method, method, front, **overrides))
     assert "stopped" not in results
     assert {c["host"] for c in results["client_compute"].values()} == {socket.gethostname(), WORKER}
-    run_in_process(run_config(tmp_path, "one-process", method, **overrides))
+    run_in_process(run_config(tmp_path, "one-process", method, front, **overrides))
     alone = json.loads((tmp_path / "one-process" / "results.json").read_text())
     assert [r["round"] for r in results["rounds"]] == [1, 2]
     for there, here in zip(results["rounds"], alone["rounds"], strict=True):
