@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from compare import machine_description  # noqa: E402
-from inprocess import InProcessProxy, run_in_process  # noqa: E402
+from inprocess import CALLS, InProcessGrid, InProcessProxy, run_in_process  # noqa: E402
 
 from protofl import client_app  # noqa: E402
 from protofl.federation import client as client_module  # noqa: E402
@@ -51,8 +51,11 @@ from protofl.settings import ExperimentSettings, default_run_config, parse_overr
 from protofl.strategies import get_method  # noqa: E402
 from protofl.task import storage  # noqa: E402
 
-PHASES = {  # name: (object, attribute) wrapped; None: the method's client class
-    "message": (InProcessProxy, "_call"),
+# where the harness hands a client its message, on each Flower front: (object, attribute, its kind)
+MESSAGE = {"legacy": (InProcessProxy, "_call", lambda kind, ins: kind),
+           "message": (InProcessGrid, "answer", lambda message: CALLS[message.metadata.message_type])}
+PHASES = {  # name: (object, attribute) wrapped; None: the method's client class, "message": the front's
+    "message": None,
     "data (process cache)": (client_app, "node_data"),
     "model (kept, reset)": (client_app, "worker_model"),
     "state read": (ClientStateStore, "load"),
@@ -104,14 +107,17 @@ def main() -> int:
     rounds: list[dict[str, list[float]]] = []
     patches = contextlib.ExitStack()
     current: dict[str, list[float]] = collections.defaultdict(list)
-    method_client = get_method(ExperimentSettings.from_run_config(run_config).method)[1]
-    for name, (owner, attribute) in PHASES.items():
+    settings = ExperimentSettings.from_run_config(run_config)
+    method_client = get_method(settings.method)[1]
+    message_owner, message_attribute, kind_of = MESSAGE[settings.flower_api]
+    for name, phase in PHASES.items():
+        owner, attribute = phase or (message_owner, message_attribute)
         owner = method_client if owner is None else owner
         original = getattr(owner, attribute)
         patches.enter_context(mock.patch.object(owner, attribute, timed(name, original, current)))
     if args.no_fsync:
         patches.enter_context(mock.patch.object(storage.os, "fsync", lambda fd: None))
-    original_message = InProcessProxy._call
+    original_message = getattr(message_owner, message_attribute)
     messages = {"count": 0}
     profiler = cProfile.Profile() if args.cprofile else None
     traced: list[torch.profiler.profile] = []
@@ -121,10 +127,11 @@ def main() -> int:
     # captured steps across rounds. So does this profile.
     client_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="clientapp")
 
-    def each_message(self, kind, ins):
-        return client_thread.submit(one_message, self, kind, ins).result()
+    def each_message(self, *call):
+        return client_thread.submit(one_message, self, *call).result()
 
-    def one_message(self, kind, ins):  # every num_nodes-th fit message starts a round
+    def one_message(self, *call):  # every num_nodes-th fit message starts a round
+        kind = kind_of(*call)
         if kind == "fit":
             messages["count"] += 1
             if messages["count"] % args.num_nodes == 1 or args.num_nodes == 1:
@@ -137,10 +144,10 @@ def main() -> int:
                 activities = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
                 with torch.profiler.profile(activities=activities) as tracer:
-                    reply = original_message(self, kind, ins)
+                    reply = original_message(self, *call)
                 traced.append(tracer)
             else:
-                reply = original_message(self, kind, ins)
+                reply = original_message(self, *call)
         finally:
             if profiler:
                 profiler.disable()
@@ -151,7 +158,7 @@ def main() -> int:
         return reply
 
     t0 = time.perf_counter()
-    with patches, mock.patch.object(InProcessProxy, "_call", each_message):
+    with patches, mock.patch.object(message_owner, message_attribute, each_message):
         run_in_process(run_config, num_nodes=args.num_nodes, one_at_a_time=True)
     wall = time.perf_counter() - t0
     if profiler:

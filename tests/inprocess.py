@@ -179,15 +179,19 @@ class InProcessGrid(Grid):
     def pull_messages(self, message_ids):
         raise NotImplementedError("send_and_receive only")
 
+    def answer(self, message):
+        """The reply of ``message``'s node's app (an error reply when the app raises)."""
+        node = message.metadata.dst_node_id
+        try:
+            return self.apps[node](message, self.contexts[node])
+        except Exception as err:
+            return Message(Error(code=2, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
 
         def deliver(message):
-            node = message.metadata.dst_node_id
-            try:
-                reply = self.apps[node](message, self.contexts[node])
-            except Exception as err:
-                reply = Message(Error(code=2, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+            reply = self.answer(message)
             self.messages.append((CALLS[message.metadata.message_type], Seen(message, instruction=True), Seen(reply)))
             return reply
 
