@@ -29,6 +29,12 @@ from protofl.strategies import METHODS
 from protofl.task.storage import NUMPY_HEADER_LOCK
 
 
+# A method of each family (protofl/strategies/families: averaging, model parts, second model, class
+# vectors) and two with state of their own (SCAFFOLD's controls, FedNH's 0-d scale): what a test of a
+# template, such as a Flower front or the training worker, runs; a test of a method's math runs them all
+TEMPLATE_METHODS = ("fedavg", "fedper", "fml", "fedproto", "scaffold", "fednh")
+
+
 def methods_fast_for(*fast):
     """Every method as a pytest parameter, those not in ``fast`` in the slow suite: the fast suite
     keeps a representative few of a per-method federation test, CI runs them all."""

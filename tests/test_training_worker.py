@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from flwr.client import NumPyClient
-from inprocess import methods_fast_for, run_in_process
+from inprocess import TEMPLATE_METHODS, run_in_process
 from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
 
 from protofl import client_app
@@ -20,6 +20,7 @@ from protofl.federation import training_worker
 from protofl.federation.numpy_front import NumPyFront
 from protofl.federation.training_worker import TrainingWorker, training_worker_for
 from protofl.settings import ExperimentSettings
+from protofl.strategies import METHODS
 from protofl.task.capture import CaptureGate
 
 
@@ -122,10 +123,13 @@ def assert_same_results(one_at_a_time, at_once):
     assert all("clients_in_flight" not in c for c in one_at_a_time["client_compute"].values())
 
 
-@pytest.mark.parametrize("front", ["message", pytest.param("legacy", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("method", methods_fast_for("fedproto"))
+@pytest.mark.parametrize("method, front", [(m, "message") if m == "fedproto" else
+                                           pytest.param(m, "message", marks=pytest.mark.slow) for m in sorted(METHODS)]
+                         + [pytest.param(m, "legacy", marks=pytest.mark.slow) for m in TEMPLATE_METHODS])
 def test_clients_trained_at_once_in_one_worker_give_the_results_of_one_at_a_time(tmp_path, monkeypatch, method,
                                                                                   front):
+    """Every method on the Message API (a method's client may hold state that clients at once would
+    share), a method of each family on the legacy front (the worker runs either front's clients)."""
     one_at_a_time, at_once, most_in_flight = one_at_a_time_and_at_once(
         tmp_path, monkeypatch, RUN_CONFIG | {"method": method, "flower-api": front})
     assert_same_results(one_at_a_time, at_once)
