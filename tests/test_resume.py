@@ -507,20 +507,24 @@ def kill_during_round_3(directory: Path, command: list[str], env: dict[str, str]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, fraction", [("fedavg", 0.5), ("fedproto", 1.0), ("fedskc", 0.5), ("fedsa", 1.0),
-                                              ("fedcosr", 0.5)])
-def test_a_process_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_path, method, fraction):
+@pytest.mark.parametrize("method, fraction, fronts", [
+    ("fedavg", 0.5, ("message", "message")), ("fedproto", 1.0, ("legacy", "message")),
+    ("fedskc", 0.5, ("message", "message")), ("fedsa", 1.0, ("message", "legacy")),
+    ("fedcosr", 0.5, ("message", "message"))])
+def test_a_process_killed_in_round_3_resumes_to_the_uninterrupted_results(tmp_path, method, fraction, fronts):
     """With every client in every round (fraction 1), round 2's scores were still to come in round
-    3's fit message when the process died: the checkpoint must remember to ask for them."""
+    3's fit message when the process died: the checkpoint must remember to ask for them. ``fronts``:
+    the Flower fronts of the killed run and of its resume (a run may resume on the other front); the
+    uninterrupted run's is the Message API."""
     config = RUN | {"method": method, "output-dir": str(tmp_path), "state-dir": str(tmp_path / "state"),
                     "checkpoint-every": 2, "fraction-fit": fraction}
     run_in_process(config | {"run-name": "whole"}, num_nodes=4)
-    killed = config | {"run-name": "killed"}
+    killed = config | {"run-name": "killed", "flower-api": fronts[0]}
     command = [sys.executable, str(TESTS / "interrupted.py"), json.dumps(killed), "4", "4"]  # hangs in round 4
     kill_during_round_3(tmp_path / "killed", command, os.environ | {"PYTHONPATH": str(TESTS)}, str(tmp_path))
     saved = sorted(p.name for p in (tmp_path / "state" / "killed").glob("partition-*/round-3.*.state"))
     assert saved or method in ("fedavg", "fedskc")  # personal models of round 3, which the replay must not read
-    run_in_process(killed | {"resume": True}, num_nodes=4)
+    run_in_process(killed | {"resume": True, "flower-api": fronts[1]}, num_nodes=4)
     assert_same_rounds(tmp_path / "killed", tmp_path / "whole")
 
 

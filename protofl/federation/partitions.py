@@ -6,9 +6,10 @@ is a claim, and a claim is only believed when it fits what the server knows:
 
 - the answer must be well formed (integers, not booleans, in range); a malformed one refuses the
   node for the run;
-- a node whose query failed is asked again in the next rounds, at most ``DISCOVERY_ATTEMPTS`` times;
-  one that did not answer within the query's timeout (``round-timeout``, else
-  ``DISCOVERY_TIMEOUT``) is not asked again: a node that hangs costs one timeout, once;
+- a node whose query failed, or that did not answer within the query's timeout (``round-timeout``,
+  else ``DISCOVERY_TIMEOUT``), is asked again in the next rounds, at most ``DISCOVERY_ATTEMPTS``
+  times in all and once a round: a node that hangs costs a timeout in a few rounds, and one whose
+  first answer came late (a ClientApp cold-starting on a loaded machine) gets its partition back;
 - the number of partitions is the run config's ``num-partitions``, else the value most nodes report
   (ties: the smaller), fixed once the first discovery is done; a node that reports another value,
   or an id outside it, holds nothing;
@@ -99,22 +100,27 @@ class PartitionRegistry:
         self.refused: dict[str, str] = {}
         self.failed: Counter[str] = Counter()
         self.failures: dict[str, str] = {}  # node -> its last failed query, in one line
+        self.timed_out: set[str] = set()  # nodes whose query timed out in this round: not asked again in it
         self.warned: set[Any] = set()
 
     # --- discovery ----------------------------------------------------------------------------
 
     def to_query(self, node_ids: Iterable[str]) -> list[str]:
-        """The nodes to ask: new ones, and those whose earlier queries failed (a few times at most)."""
+        """The nodes to ask: new ones, and those whose earlier queries failed (a few times at most,
+        not again in a round in which one timed out)."""
         return [
             node for node in node_ids
             if node not in self.claims and node not in self.refused and self.failed[node] < DISCOVERY_ATTEMPTS
+            and node not in self.timed_out
         ]
 
     def record(self, node_id: str, reply: Any, timed_out: bool = False) -> None:
         """A node's properties, or the exception its query raised (``timed_out``: after the whole
-        timeout; such a node is not asked again)."""
+        timeout; such a node is not asked again this round)."""
         if isinstance(reply, BaseException):
-            self.failed[node_id] = DISCOVERY_ATTEMPTS if timed_out else self.failed[node_id] + 1
+            self.failed[node_id] += 1
+            if timed_out:
+                self.timed_out.add(node_id)
             self.failures[node_id] = rejection_reason(describe_failure(reply))
             again = "asked again next round" if self.failed[node_id] < DISCOVERY_ATTEMPTS else "not asked again"
             log(WARNING, "node %s did not report its partition (%s): %s", node_id, again, self.failures[node_id])
@@ -209,6 +215,7 @@ class PartitionDiscovery:
         run has partitions, then fix that number. :attr:`nodes` becomes the believed holders among
         the live nodes."""
         self.query = dict(query or {})
+        self.registry.timed_out.clear()  # a new round: a node that timed out before is asked again
         nodes.wait_for(1, timeout=int(self.start_timeout))
         self._query(nodes)
         if not self.waited_for_all:
