@@ -130,12 +130,12 @@ def test_discovery_finds_the_holders_and_asks_a_failed_node_again_next_round():
 def test_a_node_that_never_answers_costs_a_timeout_in_a_few_rounds_at_most():
     hanging = Node("h", RuntimeError("Message contains an Error (reason: message expired)"), hangs=True)
     nodes = [Node("a", properties(0, n=2)), Node("b", properties(1, n=2)), hanging]
-    discovery = PartitionDiscovery(timeout=1.0)
+    discovery = PartitionDiscovery(timeout=0.3)
     started = time.monotonic()
     for _ in range(5):  # five rounds
         discovery.discover(Manager(nodes))
     # asked once in each of DISCOVERY_ATTEMPTS rounds, then never again: not 5 x the timeout
-    assert hanging.asked == DISCOVERY_ATTEMPTS and time.monotonic() - started < DISCOVERY_ATTEMPTS + 1.5
+    assert hanging.asked == DISCOVERY_ATTEMPTS and time.monotonic() - started < 0.3 * (DISCOVERY_ATTEMPTS + 1.5)
     assert sorted(discovery.nodes) == [0, 1]
 
 
@@ -143,10 +143,10 @@ def test_a_node_whose_first_answer_came_too_late_holds_its_partition_from_a_late
     """A node cold-starting under load (a ClientApp process started for the query) answered after
     the query's timeout: it was never asked again, and its partition sat out the rest of the run
     (the compose demo's resumed run, on a loaded machine, trained partition 1 alone)."""
-    late = Node("c", TimeoutError("no reply within 1.0 s"), hangs=True)
+    late = Node("c", TimeoutError("no reply within 0.3 s"), hangs=True)
     nodes = [Node("a", properties(0, n=3)), Node("b", properties(1, n=3)), late]
-    discovery = PartitionDiscovery(timeout=1.0)
-    discovery.poll, discovery.start_timeout = 0.0, 1.0
+    discovery = PartitionDiscovery(timeout=0.3)
+    discovery.poll, discovery.start_timeout = 0.0, 0.3
     discovery.discover(Manager(nodes))
     assert sorted(discovery.nodes) == [0, 1] and late.asked == 1  # once in a round, however long it waits
     late.reply, late.hangs = properties(2, n=3), False  # warm now
