@@ -55,8 +55,8 @@ TRACKERS = all(importlib.util.find_spec(module) for module in ("tensorboard", "m
 @pytest.fixture(scope="module")
 def insecure(tmp_path_factory):
     """The insecure federation of the compose demo and a 2-round FedProto run on it, tracked with
-    TensorBoard and MLflow where the test extra installed them, then a 2-round SCAFFOLD run; its
-    processes stopped afterwards. Three tests read it: what the runs learnt and kept, and what the
+    TensorBoard and MLflow where the test extra installed them, then a 2-round SCAFFOLD run on the
+    legacy Flower front; its processes stopped afterwards. Three tests read it: what the runs learnt and kept, and what the
     ServerApp tracked."""
     tmp = tmp_path_factory.mktemp("insecure")
     started = native.NativeDeployment(tmp / "services", native.environment(), credentials=tmp / "credentials")
@@ -66,7 +66,7 @@ def insecure(tmp_path_factory):
         native.start_federation(started, native.load_compose(), link, nodes)
         cli_home = native.cli_home(tmp / "cli-home", f"{link[0]}:{link[1]}")
         results = _run_fedproto(tmp, cli_home, "insecure", " tracker='tensorboard,mlflow'" if TRACKERS else "")
-        _run_fedproto(tmp, cli_home, "scaffold", method="scaffold")
+        _run_fedproto(tmp, cli_home, "scaffold", " flower-api='legacy'", method="scaffold")  # the other front
     finally:
         _stop(started)
     return {"tmp": tmp, "services": started.workdir, "results": results}
@@ -99,8 +99,9 @@ def test_insecure_deployment_runs_fedproto(tmp_path, insecure):
 
 
 def test_a_deployment_carries_named_uploads_broadcasts_and_client_state(tmp_path, insecure):
-    """SCAFFOLD across processes: the server's control variate down, each client's Delta c up (named
-    arrays), c_i kept on the node between rounds: the rounds of the run in one process, exactly."""
+    """SCAFFOLD across processes on the legacy Flower front: the server's control variate down, each
+    client's Delta c up (named arrays), c_i kept on the node between rounds: the rounds of the run in
+    one process on the Message API, exactly."""
     results = json.loads((insecure["tmp"] / "scaffold" / "results.json").read_text())
     assert [r["clients"] for r in results["rounds"]] == [list(range(NUM_NODES))] * 2
     assert not any(r["dropped"] for r in results["rounds"])
