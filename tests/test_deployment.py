@@ -56,8 +56,8 @@ TRACKERS = all(importlib.util.find_spec(module) for module in ("tensorboard", "m
 def insecure(tmp_path_factory):
     """The insecure federation of the compose demo and a 2-round FedProto run on it, tracked with
     TensorBoard and MLflow where the test extra installed them, then a 2-round SCAFFOLD run on the
-    legacy Flower front; its processes stopped afterwards. Three tests read it: what the runs learnt and kept, and what the
-    ServerApp tracked."""
+    legacy Flower front; its processes stopped afterwards. Three tests read it: what the runs learnt
+    and kept, and what the ServerApp tracked."""
     tmp = tmp_path_factory.mktemp("insecure")
     started = native.NativeDeployment(tmp / "services", native.environment(), credentials=tmp / "credentials")
     try:

@@ -35,8 +35,8 @@ from protofl.federation.server_core import (
 from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import Blobs, Reply, describe_failure
 
-__all__ = ["ClientUpdate", "PayloadError", "PrototypeStrategy", "ProxyNodes", "RunStopped", "legacy_reply", "legacy_strategy",
-           "stacked_statistics"]
+__all__ = ["ClientUpdate", "PayloadError", "PrototypeStrategy", "ProxyNodes", "RunStopped", "legacy_reply",
+           "legacy_strategy", "stacked_statistics"]
 
 
 def legacy_reply(res: FitRes | EvaluateRes) -> Reply:
