@@ -12,9 +12,11 @@ unweighted mean). The method's options are the values the fixture ran their code
 FedRep's ``head-epochs`` 3, FedBABU's ``finetune-epochs`` 2, FedRoD's ``personal-training =
 "separate"`` with ``personal-head = "hyper"`` (the hypernetwork's initial values sent as the
 round's parameters: ``hypernetwork_init``) and ``"linear"``, Ditto's ``lambda`` 0.75 and
-``reference = "trained"``. FedBABU's fine-tune: our client fine-tunes in ``evaluate`` at the lr of
-the round it is told; their final fine-tune runs at round ``num_rounds + 1``'s (``input.final_round``):
-``evaluate`` is told that round, so that the two compute at one lr.
+``reference = "trained"`` (our default, ``"received"``, is compared with their step moved to the
+received model, and in a further round with a step derived by hand). FedBABU's fine-tune: our
+client fine-tunes in ``evaluate`` at the lr of the round it is told; their final fine-tune runs at
+round ``num_rounds + 1``'s (``input.final_round``): ``evaluate`` is told that round, so that the
+two compute at one lr.
 
 Tolerances. Both sides compute in float64 and nothing here is rounded to float32 (our parameters
 and losses keep the model's dtype on the wire): one formula agrees to ``FLOAT64`` (rtol 1e-9,
@@ -35,6 +37,7 @@ against our mean over the steps): ``FLOAT64``.
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conformance.common import FLOAT64, assert_matches, fingerprint, load_fixture, pixels_to_input
 from conformance.fednh_baselines import (
     CLIENT_LABELS,
@@ -69,8 +72,9 @@ METHODS = {  # fixture -> (our method, our options)
 }
 
 
-def _settings(method, given, tmp_path) -> ExperimentSettings:
-    ours, options = METHODS[method]
+def _settings(method, given, tmp_path, options=None) -> ExperimentSettings:
+    ours, method_options = METHODS[method]
+    options = method_options if options is None else options
     return ExperimentSettings(
         method=ours, model="fednh-cnn", seed=int(given["init_seed"]), local_epochs=int(given["epochs"]),
         batch_size=int(given["batch_size"]), lr=float(given["lr"]), lr_decay=float(given["lr_decay"]),
@@ -101,13 +105,14 @@ def _assert_whole(actual, expected, what):
     assert_matches(actual, expected, what, rtol=0.0, atol=FLOAT64["rtol"] * np.abs(expected).max())
 
 
-def _one_round(method, tmp_path, check_client=None):
+def _one_round(method, tmp_path, check_client=None, options=None):
     """Our two clients' fit from the fixture's initial model, each client's trained weights and
     loss compared with theirs (``check_client(k, client, config)`` the method's own), then our
-    server's aggregate. Returns (aggregate, strategy, fixture, clients)."""
+    server's aggregate. ``options``: ours (default: ``METHODS``'). Returns (aggregate, strategy,
+    fixture, clients)."""
     fixture = load_fixture(f"fednh-{method}-round")
     given, theirs = fixture.inputs, fixture.outputs
-    settings = _settings(method, given, tmp_path)
+    settings = _settings(method, given, tmp_path, options)
     data = {k: _data(given, p, k) for p, k in enumerate(CLIENT_LABELS)}
     strategy_class, client_class = get_method(settings.method)
     strategy = strategy_class(settings, build_method_model(settings, data["a"]), NUM_CLASSES)
@@ -219,3 +224,60 @@ def test_ditto_round_equals_the_codes(tmp_path):
         _assert_state(personal, theirs, f"client_{k}.personal", names)
 
     _one_round("ditto", tmp_path, check_client)
+
+
+def test_ditto_default_received_reference_equals_their_step_moved_to_the_received_model(tmp_path):
+    """Ditto's default ``reference = "received"`` (the paper's Algorithm 1, PFLlib's): the personal
+    step v1 = v0 - eta (grad CE(v0) + lambda (v0 - w)) with w = w^t, the global model received,
+    where their code's w is w', the client's global model after its training. Every training here
+    is one step from v0 = w^t (one full batch, one epoch, the initial personal model = the model
+    sent), so v1(w^t) = v1(w') - eta lambda (w' - w^t) exactly in real arithmetic: ours plus
+    eta lambda (w' - w^t) (w' our trained global model, itself compared with theirs; w^t the
+    initial model, likewise) is compared with their personal model.
+
+    Tolerance: 1e-9 x the norms of the terms (``FLOAT64``, as the module's): ||v1|| (theirs) +
+    eta lambda (||w'|| + ||w^t||). The correction itself is checked to be over 1e3 tolerances, so
+    that the personal model stepped towards w' instead fails.
+
+    There lambda (v0 - w^t) is 0. So client A then trains round 3 from the aggregate w3, its kept v1
+    apart from it: its personal model against v1 - eta3 (grad CE(v1) + lambda (v1 - w3)) derived by
+    hand (grad CE by torch.autograd on a copy holding v1, its one full batch), to 1e-9 x (the
+    largest |v2| + eta3 lambda (the largest |v1| + the largest |w3|)) an entry; the lambda term
+    checked to be over 1e3 of those."""
+    names = list(their_names("ditto").values())
+    fixture = load_fixture("fednh-ditto-round")
+    given, theirs = fixture.inputs, fixture.outputs
+    round_ = int(given["round"])
+    options = {k: v for k, v in METHODS["ditto"][1].items() if k != "reference"}  # the default reference
+
+    def check_client(k, client, config):
+        eta = client.settings.round_lr(round_)
+        received = build_method_model(client.settings, client.data).state_dict()  # w^t: the model sent
+        trained = client.model.state_dict()  # w'
+        for n in names:
+            correction = eta * LAMBDA * (trained[n].numpy() - received[n].numpy())
+            scale = theirs[f"client_{k}.personal.{n}"][1] + eta * LAMBDA * (
+                theirs[f"client_{k}.trained.{n}"][1] + theirs[f"initial.{n}"][1])
+            _assert_fingerprint(client.local_state[PERSONAL + n] + correction, theirs[f"client_{k}.personal.{n}"],
+                                f"client_{k}.personal {n}, moved to the received reference", scale)
+            moved = np.abs(fingerprint(correction)[2:]).max()  # the projections, linear in the array
+            assert moved > 1e3 * FLOAT64["rtol"] * scale, f"client {k} {n}: the references are not told apart"
+
+    aggregate, _, _, clients = _one_round("ditto", tmp_path, check_client, options=options)
+    client = clients["a"]
+    v1 = {n: np.array(client.local_state[PERSONAL + n]) for n in names}
+    w3 = dict(zip(client.shared_names, aggregate))
+    reference = build_method_model(client.settings, client.data)
+    reference.load_state_dict({n: torch.from_numpy(a) for n, a in v1.items()})
+    ce = F.cross_entropy(reference(client.data.train_x)[1], client.data.train_y)
+    parameters = dict(reference.named_parameters())
+    gradient = dict(zip(parameters, torch.autograd.grad(ce, list(parameters.values()))))
+    eta = client.settings.round_lr(round_ + 1)
+    client.fit(aggregate, {SERVER_ROUND: round_ + 1, SEED: 0})
+    for n in names:
+        term = eta * LAMBDA * (v1[n] - w3[n])
+        expected = v1[n] - eta * gradient[n].numpy() - term
+        scale = np.abs(expected).max() + eta * LAMBDA * (np.abs(v1[n]).max() + np.abs(w3[n]).max())
+        assert_matches(client.local_state[PERSONAL + n], expected, f"client_a's round-3 personal {n}",
+                       rtol=FLOAT64["rtol"], atol=FLOAT64["rtol"] * scale)
+        assert np.abs(term).max() > 1e3 * FLOAT64["rtol"] * scale, f"{n}: lambda (v1 - w3) is not told apart"

@@ -508,7 +508,9 @@ def test_fedgen_train_generator_equals_train_generator():
 def test_fedgen_strategy_step_equals_train_generator_and_aggregate_parameters(tmp_path, monkeypatch):
     """FedGenStrategy.aggregate_updates: the heads averaged by training size (their
     aggregate_parameters) and its generator trained (server-epochs, generator-lr, the run's batch
-    size) on labels from the clients' uploaded class counts, its draws replaced by theirs."""
+    size) on labels from the clients' uploaded class counts. Our ``draw`` runs; only the primitives
+    it draws with (torch.multinomial for the labels, torch.rand for the uniform noise) are replaced
+    by spies that check their arguments and return their draws, in order."""
     fixture = load_fixture("htfllib-fedgen-server")
     given, theirs = fixture.inputs, fixture.outputs
     strategy, names = _strategy("fedgen", tmp_path, batch_size=int(given["batch_size"]), **{
@@ -518,26 +520,58 @@ def test_fedgen_strategy_step_equals_train_generator_and_aggregate_parameters(tm
     feature_dim = given["client0.weight"].shape[1]
     strategy.generator.load_state_dict(_generator(given, "initial", feature_dim).state_dict())
     strategy.admission.sent_parameters = strategy.shared_weights()
-    draws = iter(zip(given["labels"], given["noise"]))
+    batch_size, noise_dim = int(given["batch_size"]), int(given["noise_dim"])
     distribution = given["class_counts"].sum(axis=0)  # their qualified_labels' distribution
+    assert ((given["noise"] >= 0) & (given["noise"] < 1)).all()  # theirs: torch.rand, U[0, 1)
+    labels, noise = iter(given["labels"]), iter(given["noise"])
+    streams, drawn = [], {"labels": 0, "noise": 0}
 
-    def their_draws(generator, label_distribution, batch_size, noise_dim, generator_draws):
-        assert (batch_size, noise_dim) == (int(given["batch_size"]), int(given["noise_dim"]))
-        np.testing.assert_array_equal(label_distribution.numpy(), distribution)
-        labels, noise = next(draws)
-        labels = torch.from_numpy(labels)
-        return labels, generator(labels, torch.from_numpy(noise))
+    def their_labels(input, num_samples, replacement=False, *, generator=None, out=None):
+        assert drawn["labels"] == drawn["noise"], "the last step's noise was not drawn with torch.rand"
+        assert input.dtype == torch.float64 and out is None
+        np.testing.assert_array_equal(input.numpy(), distribution)
+        assert (num_samples, replacement) == (batch_size, True)
+        assert isinstance(generator, torch.Generator)
+        streams.append(generator)
+        drawn["labels"] += 1
+        return torch.from_numpy(next(labels)).to(torch.int64)
 
-    monkeypatch.setattr(fedgen, "draw", their_draws)
+    def their_noise(*size, generator=None, dtype=None, device=None, **rest):
+        assert drawn["noise"] == drawn["labels"] - 1, "noise drawn before the step's labels"
+        assert not rest
+        assert tuple(size) == (batch_size, noise_dim)
+        assert dtype == next(strategy.generator.parameters()).dtype
+        assert generator is streams[-1]  # the labels' stream
+        drawn["noise"] += 1
+        return torch.from_numpy(next(noise)).to(dtype)
+
+    monkeypatch.setattr(torch, "multinomial", their_labels)
+    monkeypatch.setattr(torch, "rand", their_noise)
     updates = [ClientUpdate(i, int(n), [given[f"client{i}.weight"], given[f"client{i}.bias"]], None, {},
                             {LABEL_COUNTS: given["class_counts"][i].astype(np.int64)})
                for i, n in enumerate(given["sizes"])]
     weight, bias = strategy.aggregate_updates(1, updates)
-    assert next(draws, None) is None  # every step drew
+    assert next(labels, None) is None and next(noise, None) is None  # every step drew both
+    assert all(s is streams[0] for s in streams)  # one stream for all the steps
     for name, ours in (("weight", weight), ("bias", bias)):
         scale = max(np.abs(given[f"client{i}.{name}"]).max() for i in range(len(updates)))
         _scaled(ours, theirs[f"head.{name}"], f"the aggregate head.{name}", scale)
     _assert_generator(strategy.generator, given, theirs, "the server's generator's")
+
+
+def test_fedgen_draw_is_multinomial_labels_then_uniform_noise():
+    """``draw`` on a seeded stream: the labels torch.multinomial draws with replacement from the
+    distribution, then the noise torch.rand draws from the same stream (uniform on [0, 1)), the
+    features G(labels, noise), each exactly."""
+    distribution = torch.tensor([3.0, 0.0, 5.0, 1.0], dtype=torch.float64)
+    ours = torch.Generator().manual_seed(7)
+    labels, features = fedgen.draw(lambda y, z: z, distribution, 64, 4, ours)
+    again = torch.Generator().manual_seed(7)
+    expected_labels = torch.multinomial(distribution, 64, replacement=True, generator=again)
+    expected_noise = torch.rand(64, 4, generator=again, dtype=torch.float64)
+    assert torch.equal(labels, expected_labels) and torch.equal(features, expected_noise)
+    assert features.dtype == torch.float64 and ((features >= 0) & (features < 1)).all()
+    assert not (labels == 1).any()  # a class of count 0 is never drawn
 
 
 def test_fedgen_client_round_equals_clientGen_train():

@@ -5,7 +5,9 @@ and 1-3, our ``cnn``, plain SGD, float64), our clients and server in place of th
 The fixtures (tests/conformance/fixtures/{pfedme,perfedavg,fedamp}-pfllib-rounds.npz) and the calls
 that made them are described in tests/conformance/pfllib_personal.py; their code is not run here.
 Our options are the values their code ran with (``OPTIONS``): pFedMe's mu their optimiser's 0.001,
-FedAMP's term PFLlib's (``proximal = "pfllib"``: a value without a gradient).
+FedAMP's term PFLlib's (``proximal = "pfllib"``: a value without a gradient). FedAMP's default,
+the paper's squared term, has no reference code: one client round of it is compared with its steps
+derived by hand in float64 (``test_fedamp_default_squared_term_equals_the_papers_steps``).
 
 Tolerances: as in tests/test_conformance_baselines.py, ``FLOAT64`` of the scale of the terms a value
 is computed from (the fingerprints' norms): theta and w, ||theta|| and ||w||; pFedMe's mixed aggregate
@@ -13,17 +15,25 @@ is computed from (the fingerprints' norms): theta and w, ||theta|| and ||w||; pF
 at most 1 in size, sum(|xi|) <= 1 + 2 |1 - xi_ii| here), the sum of the models' norms.
 """
 
+import copy
 import io
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 from flwr.app import RecordDict
 from conformance.common import FLOAT64, assert_matches, load_fixture
-from conformance.pfllib_baselines import NUM_CLIENTS, ROUNDS, names
+from conformance.pfllib_baselines import NUM_CLIENTS, ROUNDS, batch_order, names
 from test_conformance_baselines import _assert_fingerprint, _data, _norm, _settings, _two_rounds
+from torch import nn
 
+from protofl.federation.wire import PROXIMAL_LOSS, TRAIN_LOSS, encode_array, indexed
+from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
-from protofl.strategies.fedamp import CLIENT_MODEL, attention_weights
+from protofl.strategies.fedamp import CLIENT_MODEL, CLOUD_MODEL, FedAMPClient, attention_weights
+from protofl.task.data import ClientData
+from protofl.task.models import SplitModel
 from protofl.task.weights import all_tensors
 
 pytestmark = pytest.mark.conformance
@@ -109,3 +119,73 @@ def test_fedamp_attention_weights_equal_pfllib(tmp_path):
                                        bounded=False)
         assert_matches(xi, theirs[f"round2.client{p}.coef"][others], f"client {p} xi", **FLOAT64)
         assert_matches(xi_own, theirs[f"round2.client{p}.coef_self"], f"client {p} xi_ii", **FLOAT64)
+
+
+# --- FedAMP's default term, which no reference implements: a float64 hand derivation -------------
+
+def _fedamp_hand_steps(model, x, y, order, batch_size, lr, factor, cloud):
+    """The paper's local steps written out: on each batch, loss = CE + factor ||w - u||^2 / 2 (factor
+    = lambda / alpha_k, so the term is lambda / (2 alpha_k) ||w - u||^2) and w <- w - lr (grad CE +
+    factor (w - u)). grad CE comes from torch.autograd on ``model`` (a copy, loaded with w each
+    step); the proximal term and its gradient are numpy. Returns (w, losses, proximal terms)."""
+    parameters = list(model.parameters())
+    w = [p.detach().numpy().copy() for p in parameters]
+    losses, proximal = [], []
+    for start in range(0, len(order) - batch_size + 1, batch_size):
+        batch = order[start:start + batch_size]
+        with torch.no_grad():
+            for p, value in zip(parameters, w):
+                p.copy_(torch.from_numpy(value))
+        ce = F.cross_entropy(model(torch.from_numpy(x[batch]))[1], torch.from_numpy(y[batch]))
+        gradient = [g.numpy() for g in torch.autograd.grad(ce, parameters)]
+        term = sum(float(np.sum((a - u) ** 2)) for a, u in zip(w, cloud)) / 2
+        losses.append(ce.item() + factor * term)
+        proximal.append(term)
+        w = [a - lr * (g + factor * (a - u)) for a, g, u in zip(w, gradient, cloud)]
+    return w, np.array(losses), np.array(proximal)
+
+
+def test_fedamp_default_squared_term_equals_the_papers_steps(tmp_path):
+    """FedAMPClient.fit with the default ``proximal = "squared"`` (the paper's; no code implements it,
+    PFLlib's is a norm without a gradient): two SGD steps on CE + lambda / (2 alpha_k) ||w - u||^2
+    towards the received cloud model u, against the same steps derived by hand in float64; the
+    uploaded and kept w, the training loss and the reported ||w - u||^2 / 2, each a batch mean.
+
+    Tolerances: ``FLOAT64`` (one formula in another order, two steps), the absolute part 1e-9 x the
+    larger of the weights' and their displacement's largest entry (tests/conformance/common.py). A
+    halved, dropped or mis-scaled term (lambda alone, lambda alpha_k, 2 lambda / alpha_k) moves the
+    weights by lr x its change x |w - u|, checked here to be over 1e6 tolerances."""
+    alpha_k, lam, lr, seed, batch_size = 0.4, 0.3, 0.1, 5, 4
+    factor = lam / alpha_k  # 0.75: apart from the mis-scalings 0.3, 0.12, 0.375, 1.5
+    settings = ExperimentSettings(method="fedamp", seed=0, local_epochs=1, batch_size=batch_size,
+                                  partial_batch="drop", lr=lr, amp="off", channels_last=False, cuda_graphs="off",
+                                  batchnorm_stats="running", output_dir=str(tmp_path), run_name="conformance",
+                                  options={"alpha-k": alpha_k, "lambda": lam})
+    torch.manual_seed(0)
+    model = SplitModel(nn.Sequential(nn.Linear(6, 8), nn.ReLU()), nn.Linear(8, 4), 8)
+    reference = copy.deepcopy(model)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 6)), rng.integers(0, 4, 8)
+    start = [p.detach().numpy().copy() for p in model.parameters()]
+    cloud = [a + 0.2 * rng.standard_normal(a.shape) for a in start]  # u != w: the term pulls from step 1
+    client = FedAMPClient(settings, ClientData(0, 4, torch.from_numpy(x), torch.from_numpy(y),
+                                               torch.from_numpy(x), torch.from_numpy(y)), model, 1, {})
+    assert client.options.proximal == "squared"
+    config = {"server-round": 2, "seed": seed} | {k: encode_array(v) for k, v in indexed(CLOUD_MODEL, cloud).items()}
+    arrays, num_examples, metrics = client.fit([], config)
+    assert (arrays, num_examples) == ([], 8)  # nothing on the parameters channel
+    eta = settings.round_lr(2)
+    w, losses, proximal = _fedamp_hand_steps(reference, x, y, batch_order(8, seed), batch_size, eta, factor, cloud)
+    kept = [p.detach().numpy() for p in client.model.parameters()]
+    tolerances = [FLOAT64["rtol"] * max(np.abs(e).max(), np.abs(e - s).max()) for e, s in zip(w, start)]  # atol
+    for i, (expected, atol) in enumerate(zip(w, tolerances)):
+        uploaded = np.load(io.BytesIO(metrics[f"{CLIENT_MODEL}/{i}"]))
+        assert_matches(uploaded, expected, f"the uploaded w, parameter {i}", rtol=FLOAT64["rtol"], atol=atol)
+        assert_matches(kept[i], expected, f"the kept w, parameter {i}", rtol=FLOAT64["rtol"], atol=atol)
+    assert_matches(metrics[TRAIN_LOSS], losses.mean(), "the training loss, CE + lambda / (2 alpha_k) ||w - u||^2")
+    assert_matches(metrics[PROXIMAL_LOSS], proximal.mean(), "the reported ||w - u||^2 / 2")
+    for wrong in (factor / 2, 0.0, lam, lam * alpha_k, 2 * factor):  # the test tells each of these apart
+        other, _, _ = _fedamp_hand_steps(reference, x, y, batch_order(8, seed), batch_size, eta, wrong, cloud)
+        apart = max(float(np.max(np.abs(a - e) / (atol + FLOAT64["rtol"] * np.abs(e))))
+                    for a, e, atol in zip(other, w, tolerances))
+        assert apart > 1e6, f"lambda / alpha_k = {wrong} is within 1e6 tolerances of {factor}"
