@@ -107,14 +107,16 @@ def _norm(theirs, prefix, name) -> float:
     return float(theirs[key][1]) if key in theirs else 0.0
 
 
-def _two_rounds(method, tmp_path, check_client=None, check_server=None, options=None, expected_loss=None):
+def _two_rounds(method, tmp_path, check_client=None, check_server=None, options=None, expected_loss=None,
+                fixture=None):
     """Our clients and server through the fixture's two rounds, each client's trained weights and
     training loss and each round's aggregate compared with theirs; ``check_client(r, p, client,
     metrics, sent_prefix)`` and ``check_server(r, strategy, sent_prefix)`` (``sent_prefix``: the
     fixture's name of the model the round started from) compare the method's own. ``options``: our
     options (default: from ``METHODS``); ``expected_loss(prefix)``: their mean training loss of a
-    client's round (default: of their recorded ``.loss``). Returns our last round's aggregate."""
-    fixture = load_fixture(f"{method}-pfllib-rounds")
+    client's round (default: of their recorded ``.loss``); ``fixture``: the method whose fixture
+    holds the expected numbers (default ``method``). Returns our last round's aggregate."""
+    fixture = load_fixture(f"{fixture or method}-pfllib-rounds")
     given, theirs = fixture.inputs, fixture.outputs
     settings = _settings(method, given, tmp_path, options)
     data = {p: _data(given, p) for p in range(NUM_CLIENTS)}

@@ -1,6 +1,6 @@
 """LG-FedAvg, FedDistill, FedTGP, FedGH and FedGen against numbers HtFLlib's code (TsingZ0/HtFLlib,
 ``system/flcore``) computed on the same inputs: one server step of each, and one local round of
-FedTGP's, FedDistill's and FedGen's clients.
+FedGH's, FedTGP's, FedDistill's and FedGen's clients.
 
 The fixtures (tests/conformance/fixtures/htfllib-*.npz) and the calls that made them are described
 in tests/conformance/htfllib_heads.py; their code is not run here. Ours is called on the same
@@ -10,8 +10,13 @@ inputs: our pure functions (``prototype_pairs``, ``train_head``, ``adaptive_marg
 (built for protofl's ``cnn``, whose 512-d features are the fixtures' servers' size, or, for FedTGP,
 ``fednh-cnn``, 192-d) on ``ClientUpdate``s. A client's local round is ours as our training loop runs
 it (plain SGD on cross-entropy + the method's ``batch_loss``, the batches in the loader's order),
-written out here with the function its ``batch_loss`` calls, on the fixtures' small ``SplitNet``.
-Where their code draws (the order of the server's pairs each epoch, FedGen's labels and noise) ours
+written out here with the function its ``batch_loss`` calls, on the fixtures' small ``SplitNet``;
+and each of those clients is also run as protofl's own class (``FedGHClient``, ``FedTGPClient``,
+``FedDistillClient``, ``FedGenClient``) through ``fit`` (:func:`_client_fit`): the parameters and the
+server's broadcasts encoded as the wire encodes them, the data handed over permuted so that our
+loop's seeded order gives their loader's batches, and what ``fit`` returns (the trained model, the
+training loss, the shared entries, the class statistics and uploads) compared with theirs. Where
+their code draws (the order of the server's pairs each epoch, FedGen's labels and noise) ours
 is fed what theirs drew.
 
 Their pairs come in their order (the clients in their ``random.sample``'s or selection's order,
@@ -38,11 +43,15 @@ part 1e-9 x the scale of the terms (n u sum|terms| is the rounding bound):
   relative). The fixtures' uploaded prototypes (FedGH, FedTGP: multiples of 1/16, each FedTGP class
   held by at most two clients) and logits (FedDistill: float32 values) are exact in float32, so the
   float32 uploads change nothing and FedTGP's class means (which set the margin) are exact;
-  FedDistill's global logits are a float32 rounding of their float64 means.
+  FedDistill's global logits are a float32 rounding of their float64 means. The targets the
+  FedTGP and FedDistill client fixtures were made with are float32 values (the latter the rounding
+  our server sends), so our clients receive exactly theirs through the float32 wire and their
+  rounds compare at FLOAT64.
 
-Each test also checks that a deliberately wrong setting (an untranslated order, margin 0, the
-softmax target, the count weighting, the generator's eval mode) moves the result by far more than
-the tolerance.
+Each hand-written test also checks that a deliberately wrong setting (an untranslated order,
+margin 0, the softmax target, the count weighting, the generator's eval mode) moves the result by
+far more than the tolerance; the client runs compare with the same numbers at the same
+tolerances.
 
 Where HtFLlib's code does not do what it means to (tests/conformance/htfllib_heads.py), ours is
 compared with what it computes and the difference is stated: their FedTGP client uploads the
@@ -51,27 +60,47 @@ FedGen server never saves the generator it trains (each round trains the initial
 clients use the initial one; ours keeps it), so only one ``train_generator`` call is compared.
 """
 
+import io
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conformance.common import FLOAT64, assert_matches, fingerprint, float32_roundings, load_fixture
-from conformance.htfllib_heads import GENERATOR_NAMES, NUM_CLASSES, TGP_CLASSES, split_net
+from conformance.htfllib_heads import GENERATOR_NAMES, NUM_CLASSES, SMALL_DIM, TGP_CLASSES, split_net
+from conformance.pfllib_baselines import batch_order
 from torch import nn
 
 import protofl.strategies.fedgen as fedgen
 import protofl.strategies.fedgh as fedgh
 import protofl.strategies.fedtgp as fedtgp
 from protofl.federation.admission import ClientUpdate
-from protofl.federation.wire import ClassStatistics
+from protofl.federation.wire import (
+    CLASS_COUNTS,
+    CLASS_MEANS,
+    GLOBAL_PROTOTYPES,
+    TRAIN_LOSS,
+    ClassStatistics,
+    ClassVectors,
+    encode_array,
+    indexed,
+)
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.strategies.feddistill import distillation_loss
-from protofl.strategies.fedgen import LABEL_COUNTS, Generator, ensemble_loss
+from protofl.strategies.fedgen import (
+    GENERATOR,
+    LABEL_COUNTS,
+    LABEL_DISTRIBUTION,
+    Generator,
+    ensemble_loss,
+    generator_entries,
+)
 from protofl.strategies.fedgh import train_head
 from protofl.strategies.fedtgp import TrainablePrototypes, adaptive_margin, train_prototypes
 from protofl.task.data import ClientData
 from protofl.task.losses import prototype_loss
+from protofl.task.models import SplitModel
 from protofl.task.prototypes import aggregate_prototypes, prototype_pairs
 from protofl.task.statistics import FeatureSums, class_means
 
@@ -146,6 +175,53 @@ def _batches(given):
 def _assert_trained_net(net, given, theirs):
     for name, tensor in net.state_dict().items():
         _trained(tensor.detach().numpy(), theirs[f"trained.{name}"], given[f"model.{name}"], f"the trained {name}")
+
+
+ROUND_SEED = 3  # the round's seed in our clients' configs: our loop's batch order (torch.randperm of it)
+
+
+def _client_fit(method, given, tmp_path, options, parameters, broadcasts):
+    """protofl's own client of ``method`` (``get_method``'s class) through ``fit``, as a round-1
+    message reaches it: the run settings of their client (one epoch, their batch size and
+    learning rate, plain SGD, the trailing partial batch dropped), the fixture's SplitNet as our
+    SplitModel (``base`` -> ``body``), ``parameters`` on the parameters channel and the server's
+    ``broadcasts`` encoded as the wire encodes them. The data is handed over permuted so that our
+    loop's batches (the permutation of ``ROUND_SEED``) are their loader's, x[0:4], x[4:8], ...
+    (shuffle=False), in the same order within each batch. Returns (client, arrays, metrics)."""
+    x, y = given["x"], given["y"]
+    order = batch_order(len(y), ROUND_SEED)
+    assert (order != np.arange(len(y))).any()  # (the permutation matters)
+    x_ours, y_ours = np.empty_like(x), np.empty_like(y)
+    x_ours[order], y_ours[order] = x, y
+    settings = ExperimentSettings(method=method, seed=0, local_epochs=1, batch_size=int(given["batch_size"]),
+                                  partial_batch="drop", lr=float(given["local_learning_rate"]), amp="off",
+                                  channels_last=False, cuda_graphs="off", batchnorm_stats="running",
+                                  output_dir=str(tmp_path), run_name="conformance", options=options)
+    assert settings.round_lr(1) == float(given["local_learning_rate"])
+    assert (settings.momentum, settings.weight_decay) == (0.0, 0.0)  # their torch.optim.SGD(lr)
+    net = split_net(given)
+    inputs, labels = torch.from_numpy(x_ours), torch.from_numpy(y_ours)
+    client = get_method(method)[1](settings, ClientData(0, NUM_CLASSES, inputs, labels, inputs, labels),
+                                   SplitModel(net.base, net.head, SMALL_DIM), 1, {})
+    config = {"server-round": 1, "seed": ROUND_SEED} | {k: encode_array(v) for k, v in broadcasts.items()}
+    arrays, num_examples, metrics = client.fit(parameters, config)
+    assert num_examples == len(y)
+    return client, arrays, metrics
+
+
+def _assert_trained_client(client, given, theirs, starts=None):
+    """Our client's model after fit against their trained model (``body`` -> ``base``), the scale
+    of each entry's displacement from where it started (``starts``: by their name; default the
+    fixture's ``model``)."""
+    for name, tensor in client.model.state_dict().items():
+        theirs_name = name.replace("body.", "base.", 1)
+        start = (starts or {}).get(theirs_name, given[f"model.{theirs_name}"])
+        _trained(tensor.detach().numpy(), theirs[f"trained.{theirs_name}"], start,
+                 f"our client's trained {theirs_name}")
+
+
+def _uploaded(metrics, key):
+    return np.load(io.BytesIO(metrics[key]))
 
 
 # --- LG-FedAvg ----------------------------------------------------------------------------------
@@ -225,6 +301,36 @@ def test_fedgh_strategy_step_equals_receive_protos_and_train_head(tmp_path, monk
     weight, bias = strategy.aggregate_updates(1, updates)
     _trained(weight, theirs["weight"], given["initial.weight"], "the server's trained head.weight")
     _trained(bias, theirs["bias"], given["initial.bias"], "the server's trained head.bias")
+
+
+def test_fedgh_client_fit_equals_clientGH_train_and_collect_protos(tmp_path):
+    """FedGHClient.fit (protofl's client, its options' defaults) against their round: the server's
+    head loaded over the client's (their set_parameters; ours: the shared entries), SGD on
+    cross-entropy, then the upload: the per-class means of an eval pass of the TRAINED body (their
+    train saves the model before collect_protos loads it) and the class counts, our head on the
+    parameters channel. The weights and the loss at FLOAT64; the means one float32 rounding (the
+    wire's) from theirs. The received body's means (an upload taken before training) are checked
+    to be over 1e3 of that tolerance from theirs: the test tells the two apart."""
+    fixture = load_fixture("htfllib-fedgh-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    head = [given["server_head.weight"], given["server_head.bias"]]
+    client, arrays, metrics = _client_fit("fedgh", given, tmp_path, {}, head, {})
+    received = {f"head.{k}": given[f"server_head.{k}"] for k in ("weight", "bias")}
+    _assert_trained_client(client, given, theirs, received)
+    assert len(arrays) == 2  # the shared entries: the trained head
+    for (name, start), array in zip(received.items(), arrays):
+        _trained(array, theirs[f"trained.{name}"], start, f"the uploaded {name}")
+    assert_matches(metrics[TRAIN_LOSS], theirs["ce"].mean(), "the training loss (their CE per batch, averaged)")
+    counts, means = _uploaded(metrics, CLASS_COUNTS), _uploaded(metrics, CLASS_MEANS)
+    np.testing.assert_array_equal(counts, np.bincount(given["y"], minlength=NUM_CLASSES))
+    held = theirs["held"]
+    np.testing.assert_array_equal(counts > 0, held)  # class 2: no sample, no prototype
+    tolerance = float32_roundings(1, float(np.abs(theirs["prototypes"]).max()))
+    assert_matches(means[held], theirs["prototypes"][held], "the uploaded prototypes", **tolerance)
+    with torch.no_grad():  # the body received (before training): not what they upload
+        before, _ = class_means(split_net(given).base.eval()(torch.from_numpy(given["x"])),
+                                torch.from_numpy(given["y"]), NUM_CLASSES)
+    assert np.abs(before[held] - theirs["prototypes"][held]).max() > 1e3 * tolerance["atol"]
 
 
 # --- FedTGP -------------------------------------------------------------------------------------
@@ -369,6 +475,35 @@ def test_fedtgp_client_round_equals_clientTGP_train():
     assert _far(summed_over_d, theirs["loss"], 0.0) > 1e6  # the MSE summed over d, not averaged
 
 
+def test_fedtgp_client_fit_equals_clientTGP_train(tmp_path):
+    """FedTGPClient.fit (protofl's client: PrototypeLossClient's receive and batch_loss) with
+    their lambda, the global prototypes sent as our server sends them (every class, float32 on
+    the wire; the fixture's are float32 values, so the client receives exactly theirs): the
+    weights after the steps and the training loss (the mean of their per-batch CE + lambda MSE)
+    at FLOAT64. The upload, the class means of an eval pass of the trained body, is compared with
+    those of THEIR trained body derived here in float64 (one float32 rounding: the wire's), not
+    with their upload, which is the received body's (the quirk the test above checks)."""
+    fixture = load_fixture("htfllib-fedtgp-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    sent = ClassVectors(given["global_prototypes"].astype(np.float32), np.ones(NUM_CLASSES, bool))
+    np.testing.assert_array_equal(sent.vectors, given["global_prototypes"])  # float32 values: exact on the wire
+    client, arrays, metrics = _client_fit("fedtgp", given, tmp_path, {"lambda": float(given["lamda"])}, [],
+                                          sent.to_config(GLOBAL_PROTOTYPES))
+    assert arrays == []  # nothing of the model is shared
+    received, available = client.received_prototypes
+    np.testing.assert_array_equal(received.numpy(), given["global_prototypes"])
+    assert available.all()
+    _assert_trained_client(client, given, theirs)
+    assert_matches(metrics[TRAIN_LOSS], theirs["loss"].mean(), "the training loss (their per-batch total, averaged)")
+    counts, means = _uploaded(metrics, CLASS_COUNTS), _uploaded(metrics, CLASS_MEANS)
+    np.testing.assert_array_equal(counts, np.bincount(given["y"], minlength=NUM_CLASSES))
+    with torch.no_grad():  # float64 (class_means would round to float32 already)
+        features = split_net(theirs, "trained").base.eval()(torch.from_numpy(given["x"])).numpy()
+    expected = np.stack([features[given["y"] == c].mean(axis=0) for c in range(NUM_CLASSES)])
+    assert_matches(means, expected, "the uploaded prototypes (their trained body's class means)",
+                   **float32_roundings(1, float(np.abs(expected).max())))
+
+
 # --- FedDistill ---------------------------------------------------------------------------------
 
 def test_feddistill_global_logits_equal_proto_aggregation(tmp_path):
@@ -435,6 +570,34 @@ def test_feddistill_client_round_equals_clientFD_train():
     assert _far(softmax_losses, theirs["loss"], 0.0) > 1e6  # the softmax target is another loss
 
 
+def test_feddistill_client_fit_equals_clientFD_train(tmp_path):
+    """FedDistillClient.fit (protofl's client: its receive, batch_loss and during-train logit
+    statistics) with their lambda and the raw-logit target, the global logits sent as our server
+    sends them (float32 on the wire, class 1 masked off; the fixture's are the float32 rounding our
+    server sends, so the client receives exactly theirs): the weights after the steps and the
+    training loss (the mean of their per-batch CE + lambda CE_soft) at FLOAT64; the uploaded
+    per-class mean logits over every batch's training-mode outputs one float32 rounding from
+    theirs, and the class counts."""
+    fixture = load_fixture("htfllib-feddistill-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    sent = ClassVectors(given["global_logits"].astype(np.float32), given["available"])
+    np.testing.assert_array_equal(sent.vectors, given["global_logits"])  # float32 values: exact on the wire
+    options = {"lambda": float(given["lamda"]), "target": "logits"}
+    client, arrays, metrics = _client_fit("feddistill", given, tmp_path, options, [],
+                                          sent.to_config(GLOBAL_PROTOTYPES))
+    assert arrays == []  # nothing of the model is shared
+    received, available = client.global_logits
+    np.testing.assert_array_equal(received.numpy()[given["available"]], given["global_logits"][given["available"]])
+    np.testing.assert_array_equal(available.numpy(), given["available"])
+    _assert_trained_client(client, given, theirs)
+    assert_matches(metrics[TRAIN_LOSS], theirs["loss"].mean(), "the training loss (their per-batch total, averaged)")
+    counts, means = _uploaded(metrics, CLASS_COUNTS), _uploaded(metrics, CLASS_MEANS)
+    np.testing.assert_array_equal(counts, np.bincount(given["y"], minlength=NUM_CLASSES))
+    np.testing.assert_array_equal(counts > 0, theirs["held"])
+    scale = float(np.abs(theirs["logits"]).max())
+    assert_matches(means, theirs["logits"], "the uploaded mean logits", **float32_roundings(1, scale))
+
+
 # --- FedGen -------------------------------------------------------------------------------------
 
 def _generator(given, prefix, feature_dim) -> Generator:
@@ -474,6 +637,46 @@ def _server_heads(given):
     sizes = given["sizes"]
     heads = [{k: torch.from_numpy(given[f"client{i}.{k}"]) for k in ("weight", "bias")} for i in range(len(sizes))]
     return heads, torch.from_numpy(sizes.astype(np.float64))
+
+
+def _their_draws(monkeypatch, given, batch_size, noise_dim, noise_dtype):
+    """torch.multinomial (the labels) and torch.rand (the uniform noise), the primitives our
+    ``draw`` calls, replaced by spies that check what it asks of them (the federation's class
+    counts, ``batch_size`` labels with replacement, then ``batch_size`` x ``noise_dim`` noise of
+    ``noise_dtype`` from the labels' stream) and return their recorded draws, step by step.
+    Returns the check, after the run, that every recorded draw was taken, from one stream."""
+    distribution = given["class_counts"].sum(axis=0)  # their qualified_labels' distribution
+    assert ((given["noise"] >= 0) & (given["noise"] < 1)).all()  # theirs: torch.rand, U[0, 1)
+    labels, noise = iter(given["labels"]), iter(given["noise"])
+    streams, drawn = [], {"labels": 0, "noise": 0}
+
+    def their_labels(input, num_samples, replacement=False, *, generator=None, out=None):
+        assert drawn["labels"] == drawn["noise"], "the last step's noise was not drawn with torch.rand"
+        assert input.dtype == torch.float64 and out is None
+        np.testing.assert_array_equal(input.numpy(), distribution)
+        assert (num_samples, replacement) == (batch_size, True)
+        assert isinstance(generator, torch.Generator)
+        streams.append(generator)
+        drawn["labels"] += 1
+        return torch.from_numpy(next(labels)).to(torch.int64)
+
+    def their_noise(*size, generator=None, dtype=None, device=None, **rest):
+        assert drawn["noise"] == drawn["labels"] - 1, "noise drawn before the step's labels"
+        assert not rest
+        assert tuple(size) == (batch_size, noise_dim)
+        assert dtype == noise_dtype
+        assert generator is streams[-1]  # the labels' stream
+        drawn["noise"] += 1
+        return torch.from_numpy(next(noise)).to(dtype)
+
+    monkeypatch.setattr(torch, "multinomial", their_labels)
+    monkeypatch.setattr(torch, "rand", their_noise)
+
+    def all_taken():
+        assert next(labels, None) is None and next(noise, None) is None  # every step drew both
+        assert streams and all(s is streams[0] for s in streams)  # one stream for all the steps
+
+    return all_taken
 
 
 def test_fedgen_train_generator_equals_train_generator():
@@ -520,39 +723,13 @@ def test_fedgen_strategy_step_equals_train_generator_and_aggregate_parameters(tm
     feature_dim = given["client0.weight"].shape[1]
     strategy.generator.load_state_dict(_generator(given, "initial", feature_dim).state_dict())
     strategy.admission.sent_parameters = strategy.shared_weights()
-    batch_size, noise_dim = int(given["batch_size"]), int(given["noise_dim"])
-    distribution = given["class_counts"].sum(axis=0)  # their qualified_labels' distribution
-    assert ((given["noise"] >= 0) & (given["noise"] < 1)).all()  # theirs: torch.rand, U[0, 1)
-    labels, noise = iter(given["labels"]), iter(given["noise"])
-    streams, drawn = [], {"labels": 0, "noise": 0}
-
-    def their_labels(input, num_samples, replacement=False, *, generator=None, out=None):
-        assert drawn["labels"] == drawn["noise"], "the last step's noise was not drawn with torch.rand"
-        assert input.dtype == torch.float64 and out is None
-        np.testing.assert_array_equal(input.numpy(), distribution)
-        assert (num_samples, replacement) == (batch_size, True)
-        assert isinstance(generator, torch.Generator)
-        streams.append(generator)
-        drawn["labels"] += 1
-        return torch.from_numpy(next(labels)).to(torch.int64)
-
-    def their_noise(*size, generator=None, dtype=None, device=None, **rest):
-        assert drawn["noise"] == drawn["labels"] - 1, "noise drawn before the step's labels"
-        assert not rest
-        assert tuple(size) == (batch_size, noise_dim)
-        assert dtype == next(strategy.generator.parameters()).dtype
-        assert generator is streams[-1]  # the labels' stream
-        drawn["noise"] += 1
-        return torch.from_numpy(next(noise)).to(dtype)
-
-    monkeypatch.setattr(torch, "multinomial", their_labels)
-    monkeypatch.setattr(torch, "rand", their_noise)
+    all_taken = _their_draws(monkeypatch, given, int(given["batch_size"]), int(given["noise_dim"]),
+                             next(strategy.generator.parameters()).dtype)
     updates = [ClientUpdate(i, int(n), [given[f"client{i}.weight"], given[f"client{i}.bias"]], None, {},
                             {LABEL_COUNTS: given["class_counts"][i].astype(np.int64)})
                for i, n in enumerate(given["sizes"])]
     weight, bias = strategy.aggregate_updates(1, updates)
-    assert next(labels, None) is None and next(noise, None) is None  # every step drew both
-    assert all(s is streams[0] for s in streams)  # one stream for all the steps
+    all_taken()
     for name, ours in (("weight", weight), ("bias", bias)):
         scale = max(np.abs(given[f"client{i}.{name}"]).max() for i in range(len(updates)))
         _scaled(ours, theirs[f"head.{name}"], f"the aggregate head.{name}", scale)
@@ -609,3 +786,31 @@ def test_fedgen_client_round_equals_clientGen_train():
     _assert_trained_net(net, given, theirs)
     *_, eval_generated, _ = round_(train_mode=False)
     assert _far(eval_generated, theirs["generated"], 0.0) > 1e6
+
+
+def test_fedgen_client_fit_equals_clientGen_train(tmp_path, monkeypatch):
+    """FedGenClient.fit (protofl's client: its receive, which builds G from the broadcast in
+    training mode, and batch_loss, which calls our ``draw``) with their generator and class counts
+    broadcast as our server sends them (G's entries, float64, and the int64 federation counts) and
+    their head on the parameters channel: the weights after the steps and the training loss (the
+    mean of their per-batch CE + generated-feature CE) at FLOAT64, the head uploaded and the class
+    counts. Only torch.multinomial and torch.rand are replaced (by :func:`_their_draws`), so
+    ``draw``'s own choices run."""
+    fixture = load_fixture("htfllib-fedgen-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    generator = _generator(given, "generator", SMALL_DIM)
+    entries = [t.numpy() for t in generator_entries(generator).values()]
+    distribution = given["class_counts"].sum(axis=0).astype(np.int64)
+    head = [given["model.head.weight"], given["model.head.bias"]]  # their client trains under its own head
+    options = {"noise-dim": int(given["noise_dim"]), "hidden-dim": int(given["hidden_dim"])}
+    all_taken = _their_draws(monkeypatch, given, int(given["batch_size"]), int(given["noise_dim"]), torch.float64)
+    client, arrays, metrics = _client_fit("fedgen", given, tmp_path, options, head,
+                                          indexed(GENERATOR, entries) | {LABEL_DISTRIBUTION: distribution})
+    all_taken()
+    assert len(given["labels"]) == len(_batches(given))  # one draw per step
+    _assert_trained_client(client, given, theirs)
+    assert len(arrays) == 2  # the shared entries: the trained head
+    for name, array in zip(("head.weight", "head.bias"), arrays):
+        _trained(array, theirs[f"trained.{name}"], given[f"model.{name}"], f"the uploaded {name}")
+    assert_matches(metrics[TRAIN_LOSS], theirs["loss"].mean(), "the training loss (their per-batch total, averaged)")
+    np.testing.assert_array_equal(_uploaded(metrics, LABEL_COUNTS), np.bincount(given["y"], minlength=NUM_CLASSES))

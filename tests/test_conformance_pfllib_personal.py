@@ -1,6 +1,6 @@
-"""pFedMe, Per-FedAvg and FedAMP against numbers PFLlib's code (TsingZ0/PFLlib) computed on the same
-inputs: the two rounds of tests/test_conformance_baselines.py (four clients, rounds of clients 0-2
-and 1-3, our ``cnn``, plain SGD, float64), our clients and server in place of theirs.
+"""pFedMe, Per-FedAvg, FedAMP and Local against numbers PFLlib's code (TsingZ0/PFLlib) computed on
+the same inputs: the two rounds of tests/test_conformance_baselines.py (four clients, rounds of
+clients 0-2 and 1-3, our ``cnn``, plain SGD, float64), our clients and server in place of theirs.
 
 The fixtures (tests/conformance/fixtures/{pfedme,perfedavg,fedamp}-pfllib-rounds.npz) and the calls
 that made them are described in tests/conformance/pfllib_personal.py; their code is not run here.
@@ -8,6 +8,15 @@ Our options are the values their code ran with (``OPTIONS``): pFedMe's mu their 
 FedAMP's term PFLlib's (``proximal = "pfllib"``: a value without a gradient). FedAMP's default,
 the paper's squared term, has no reference code: one client round of it is compared with its steps
 derived by hand in float64 (``test_fedamp_default_squared_term_equals_the_papers_steps``).
+
+Local has no fixture of its own: FedAMP's run is PFLlib's Local (d832e76's ``serverlocal.Local``:
+``clientAVG.train``, plain SGD on cross-entropy with clientbase's ``SGD(lr)``, each client's model
+kept across rounds, nothing sent, nothing aggregated). Their FedAMP client steps that same
+optimiser on the same batches; its term, computed on the weights' ``.data``, has no gradient
+(``make`` checks that lamda 1 and 1000 train the same weights to the bit), and their
+``send_models`` changes only ``client_u``, never ``c.model``. So each FedAMP client trains its own
+model from where it last was (client 3 in round 2: from its initial copy), and their trained
+models and cross-entropies (``.trained``, ``.ce``) are Local's.
 
 Tolerances: as in tests/test_conformance_baselines.py, ``FLOAT64`` of the scale of the terms a value
 is computed from (the fingerprints' norms): theta and w, ||theta|| and ||w||; pFedMe's mixed aggregate
@@ -28,7 +37,7 @@ from conformance.pfllib_baselines import NUM_CLIENTS, ROUNDS, batch_order, names
 from test_conformance_baselines import _assert_fingerprint, _data, _norm, _settings, _two_rounds
 from torch import nn
 
-from protofl.federation.wire import PROXIMAL_LOSS, TRAIN_LOSS, encode_array, indexed
+from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, PROXIMAL_LOSS, TRAIN_LOSS, encode_array, indexed
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.strategies.fedamp import CLIENT_MODEL, CLOUD_MODEL, FedAMPClient, attention_weights
@@ -119,6 +128,26 @@ def test_fedamp_attention_weights_equal_pfllib(tmp_path):
                                        bounded=False)
         assert_matches(xi, theirs[f"round2.client{p}.coef"][others], f"client {p} xi", **FLOAT64)
         assert_matches(xi_own, theirs[f"round2.client{p}.coef_self"], f"client {p} xi_ii", **FLOAT64)
+
+
+def test_local_two_rounds_equal_pfllib_fedamp_training(tmp_path):
+    """LocalClient.fit through the two rounds of fedamp-pfllib-rounds: each client's model trained
+    with plain SGD on cross-entropy from where it was (round 2: clients 1 and 2 from their round-1
+    models, restored from their node's store; client 3 from the initial model), compared with
+    PFLlib's trained models (``.trained``) and cross-entropy (``.ce``, the mean over the steps);
+    nothing shared, no class statistics uploaded, nothing aggregated."""
+    theirs = load_fixture("fedamp-pfllib-rounds").outputs
+
+    def check_client(r, p, client, metrics, sent_prefix):
+        prefix = f"round{r}.client{p}"
+        for name, tensor in all_tensors(client.model).items():
+            _assert_fingerprint(tensor.detach().numpy(), theirs[f"{prefix}.trained.{name}"], f"{prefix} trained {name}")
+        assert CLASS_MEANS not in metrics and CLASS_COUNTS not in metrics  # no class statistics
+        assert not any(key.startswith(CLIENT_MODEL) for key in metrics)  # (FedAMP's upload: not Local's)
+
+    aggregate = _two_rounds("local", tmp_path, check_client, options={}, fixture="fedamp",
+                            expected_loss=lambda prefix: theirs[f"{prefix}.ce"].mean())
+    assert aggregate == []
 
 
 # --- FedAMP's default term, which no reference implements: a float64 hand derivation -------------

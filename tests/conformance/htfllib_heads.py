@@ -36,6 +36,12 @@ the order of first appearance):
   SGD at ``server_learning_rate`` with cross-entropy over the uploaded (prototype, class) pairs in
   batches of ``batch_size``) from a seeded Linear(512, 4). The prototypes are multiples of 1/16 (so
   exact in float32: our wire's dtype changes nothing); their pairs' order (client, class) is stored.
+- ``htfllib-fedgh-client``: ``clientGH.set_parameters`` (the server's head, a seeded Linear(8, 4),
+  loaded over the client's), ``clientGH.train`` (one epoch, two batches of 4, cross-entropy) and
+  ``collect_protos``: each batch's cross-entropy, the trained model, the uploaded prototypes. Their
+  ``train`` saves the trained model before ``collect_protos`` loads it: the prototypes are the
+  trained body's (its eval pass, over the batches ``drop_last`` keeps; ``make`` checks them against
+  the class means of the trained body's features). Class 2 is held by no sample.
 - ``htfllib-fedtgp-server``: ``FedTGP.receive_protos`` (the class gaps, min_gap, max_gap) then
   ``update_TGP`` (SGD at their ``local_learning_rate`` of ``Trainable_Global_Prototypes(C, 192, 192)``,
   made after ``torch.manual_seed(TGP_SEED)``, on Eq. 7 with margin min(max_gap, margin_threthold)),
@@ -45,18 +51,19 @@ the order of first appearance):
   ``common.fingerprint``s (of the initial values, the trained ones and their displacement); the
   global prototypes (their ``TGP.eval()`` outputs) in full.
 - ``htfllib-fedtgp-client``: ``clientTGP.train`` (one epoch, two batches of 4) with global
-  prototypes for every class, ``lamda`` = 10, then (inside it) ``collect_protos``: each batch's
-  cross-entropy and total loss (``self.loss`` wrapped, as ``pfllib_baselines``'s ``_Recorded``:
-  their ``loss += ...`` adds the MSE term in place to the tensor it returned), the trained model,
-  the uploaded prototypes. Their ``train`` calls ``collect_protos`` before it saves the trained
-  model, and ``collect_protos`` loads the saved one: the prototypes they upload are those of the
-  model the round started from (its eval pass, over the batches ``drop_last`` keeps), not of the
-  trained one.
+  prototypes for every class (float32 values, as our wire carries them), ``lamda`` = 10, then
+  (inside it) ``collect_protos``: each batch's cross-entropy and total loss (``self.loss``
+  wrapped, as ``pfllib_baselines``'s ``_Recorded``: their ``loss += ...`` adds the MSE term in
+  place to the tensor it returned), the trained model, the uploaded prototypes. Their ``train``
+  calls ``collect_protos`` before it saves the trained model, and ``collect_protos`` loads the
+  saved one: the prototypes they upload are those of the model the round started from (its eval
+  pass, over the batches ``drop_last`` keeps), not of the trained one.
 - ``htfllib-feddistill-server``: ``serverfd.proto_aggregation`` (the unweighted mean over the
   uploaders) of three clients' per-class mean logits (float32-exact values), class 1 uploaded by
   nobody.
 - ``htfllib-feddistill-client``: ``clientFD.train`` (one epoch, three batches of 4) with the
-  global logits of the previous fixture (class 1 has none: its target is the sample's own logit),
+  global logits of the previous fixture rounded to float32 (what our server sends: our wire carries
+  class vectors in float32; class 1 has none: its target is the sample's own logit),
   ``lamda`` = 0.5: each batch's cross-entropy, distillation term and total, the trained model,
   the uploaded per-class mean logits (``agg_func`` over every batch's training-mode outputs).
 - ``htfllib-fedgen-server``: ``Server.receive_ids``, ``FedGen.train_generator`` (``FEDGEN["server_epochs"]``
@@ -105,6 +112,7 @@ HEAD_SEED, TGP_SEED, GENERATOR_SEED = 5, 7, 9
 
 FEDGH = {"batch_size": 3, "server_epochs": 2, "server_learning_rate": 0.05}
 FEDTGP = {"batch_size": 3, "server_epochs": 3, "local_learning_rate": 0.05, "margin_threthold": 100.0}
+FEDGH_CLIENT = {"batch_size": 4, "local_learning_rate": 0.1, "n": 8}
 FEDTGP_CLIENT = {"batch_size": 4, "local_learning_rate": 0.1, "lamda": 10.0, "n": 8}
 FEDDISTILL_CLIENT = {"batch_size": 4, "local_learning_rate": 0.1, "lamda": 0.5, "n": 12}
 # FedDistill's uploads: client k's classes (class 1: nobody's)
@@ -367,6 +375,37 @@ def _fedgh(m) -> tuple[dict, dict]:
     return inputs, outputs
 
 
+def _fedgh_client(m) -> tuple[dict, dict]:
+    o = FEDGH_CLIENT
+    x, y = _client_data(52, o["n"], [1, 3, 0, 1, 3, 0, 0, 1])  # class 2: no sample
+    net = _seeded_net(53)
+    head = _seeded_net(54).head  # the server's, which set_parameters loads over the client's own
+    client = _client(m["clientgh"].clientGH, _tensor(x), torch.from_numpy(y), o["batch_size"],
+                     o["local_learning_rate"])
+    with _in_memory(m) as store:
+        store.save_item(net, client.role, "model")
+        store.save_item(head, "Server", "head")
+        client.set_parameters()
+        client.train()
+        client.collect_protos()
+        trained = store.load_item(client.role, "model")
+        uploaded = store.load_item(client.role, "protos")
+    recorded = client.loss
+    assert len(recorded.values) == o["n"] // o["batch_size"]
+    assert not any(torch.equal(a, b) for a, b in zip(head.parameters(), net.head.parameters()))  # another head
+    protos, held = _as_array(uploaded, NUM_CLASSES, SMALL_DIM)
+    with torch.no_grad():  # the trained body's class means: what they upload (not the received body's)
+        features = trained.base.eval()(_tensor(x)).numpy()
+    for c in range(NUM_CLASSES):
+        assert held[c] == (y == c).any()
+        if held[c]:
+            np.testing.assert_allclose(protos[c], features[y == c].mean(axis=0), rtol=1e-12, atol=1e-14)
+    inputs = {"x": x, "y": y} | _state(net, "model") | _state(head, "server_head")
+    inputs |= {k: np.float64(v) if isinstance(v, float) else np.int64(v) for k, v in o.items()}
+    outputs = {"ce": np.array(recorded.values), "prototypes": protos, "held": held} | _state(trained, "trained")
+    return inputs, outputs
+
+
 TGP_NAMES = {  # theirs (middle: a Sequential of one Sequential(Linear, ReLU)) -> ours (TrainablePrototypes)
     "embedings.weight": "embedding.weight", "middle.0.0.weight": "middle.0.weight", "middle.0.0.bias": "middle.0.bias",
     "fc.weight": "out.weight", "fc.bias": "out.bias",
@@ -420,7 +459,7 @@ def _fedtgp_client(m) -> tuple[dict, dict]:
     x, y = _client_data(43, o["n"], [0, 2, 1, 0, 3, 3, 2, 0])
     net = _seeded_net(44)
     global_protos = defaultdict(list)
-    prototypes = seeded(45).standard_normal((NUM_CLASSES, SMALL_DIM))
+    prototypes = _float32_exact(seeded(45), (NUM_CLASSES, SMALL_DIM), 1.0)  # as our wire carries them
     for c in range(NUM_CLASSES):  # FedTGP: every class has one
         global_protos[c] = _tensor(prototypes[c])
     client = _client(m["clienttgp"].clientTGP, _tensor(x), torch.from_numpy(y), o["batch_size"],
@@ -462,9 +501,10 @@ def _feddistill_client(m, server_outputs: dict) -> tuple[dict, dict]:
     o = FEDDISTILL_CLIENT
     x, y = _client_data(47, o["n"], [1, 0, 2, 3, 1, 2, 0, 0, 3, 1, 2, 1])
     net = _seeded_net(48)
+    sent = server_outputs["global_logits"].astype(np.float32).astype(np.float64)  # as our wire carries them
     global_logits = defaultdict(list)  # their proto_aggregation's: no entry for class 1
     for c in np.flatnonzero(server_outputs["available"]):
-        global_logits[int(c)] = _tensor(server_outputs["global_logits"][c])
+        global_logits[int(c)] = _tensor(sent[c])
     client = _client(m["clientfd"].clientFD, _tensor(x), torch.from_numpy(y), o["batch_size"],
                      o["local_learning_rate"], lamda=o["lamda"])
     with _in_memory(m) as store:
@@ -477,8 +517,7 @@ def _feddistill_client(m, server_outputs: dict) -> tuple[dict, dict]:
     batches = o["n"] // o["batch_size"]
     assert len(recorded.values) == 2 * batches
     logits, held = _as_array(uploaded, NUM_CLASSES, NUM_CLASSES)
-    inputs = {"x": x, "y": y, "global_logits": server_outputs["global_logits"],
-              "available": server_outputs["available"]} | _state(net, "model")
+    inputs = {"x": x, "y": y, "global_logits": sent, "available": server_outputs["available"]} | _state(net, "model")
     inputs |= {k: np.float64(v) if isinstance(v, float) else np.int64(v) for k, v in o.items()}
     outputs = {"ce": np.array(recorded.values[0::2]), "distillation": np.array(recorded.values[1::2]),
                "loss": np.array([t.item() for t in recorded.tensors[0::2]]), "logits": logits,
@@ -607,13 +646,16 @@ CALLS = {
                        "LG_FedAvg.aggregate_parameters; three clients' Linear(512, 4) heads",
     "fedgh-server": "servers/servergh.py: FedGH.receive_protos (random.seed({seed})), FedGH.train_head "
                     "(torch.manual_seed({loader}); RandomSampler.__iter__ spied on); a seeded Linear(512, 4) head",
+    "fedgh-client": "clients/clientgh.py: clientGH.set_parameters (a seeded server head), clientGH.train, "
+                    "clientGH.collect_protos; self.loss wrapped to record each call",
     "fedtgp-server": "servers/servertgp.py: FedTGP.receive_protos, FedTGP.update_TGP (torch.manual_seed({loader}); "
                      "RandomSampler.__iter__ spied on), Trainable_Global_Prototypes(5, 192, 192) made after "
                      "torch.manual_seed({tgp}); proto_cluster",
-    "fedtgp-client": "clients/clienttgp.py: clientTGP.train (and collect_protos) with global prototypes for every "
-                     "class; self.loss wrapped to record each batch's loss",
+    "fedtgp-client": "clients/clienttgp.py: clientTGP.train (and collect_protos) with float32-exact global "
+                     "prototypes for every class; self.loss wrapped to record each batch's loss",
     "feddistill-server": "servers/serverfd.py: proto_aggregation of three clients' logits dicts",
-    "feddistill-client": "clients/clientfd.py: clientFD.train with the global logits of htfllib-feddistill-server; "
+    "feddistill-client": "clients/clientfd.py: clientFD.train with the global logits of htfllib-feddistill-server "
+                         "rounded to float32; "
                          "self.loss wrapped to record each call",
     "fedgen-server": "servers/serverbase.py: Server.receive_ids (random.seed({seed})), servers/servergen.py: "
                      "FedGen.train_generator (np.random.seed({numpy}); np.random.choice and torch.rand spied on), "
@@ -635,6 +677,7 @@ def make(checkouts: dict[str, Path], rerun: str) -> list[Path]:
     pieces = {
         "lgfedavg-server": _lgfedavg(m),
         "fedgh-server": _fedgh(m),
+        "fedgh-client": _fedgh_client(m),
         "fedtgp-server": _fedtgp(m),
         "fedtgp-client": _fedtgp_client(m),
         "feddistill-server": distill_server,
