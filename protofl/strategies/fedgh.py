@@ -12,6 +12,10 @@ of ``batch-size`` drawn in a seeded order (the last one smaller); it goes out as
 Defaults: HtFLlib's scripts (1 epoch, lr 0.01).
 
 PM: the client's own body with the global head. No GM.
+
+HtFLlib's code (e959261) collects the uploaded prototypes from the trained model, as here, but over
+the full batches only (its loader drops the last partial batch, and does not shuffle): protofl's cover
+the whole training split.
 """
 
 from __future__ import annotations
