@@ -129,6 +129,13 @@ flwr_side() {  # flwr_side register|run|attack|faults <variant> [args]: deploy/c
 }
 
 log "insecure demo: build and start"
+# The app's dependencies (the Dockerfile's app-python stage: torch and the rest, about 6.5 GB) are an
+# intermediate stage of the app image: untagged, the prune at the end removed them and every run
+# installed them again. Tagged, they stay, and the next run's build takes them from the cache.
+docker build --quiet -f deploy/Dockerfile --target app-python --build-arg FLWR_VERSION="$FLWR_VERSION" \
+  --build-arg FLOWER_IMAGES="$FLOWER_IMAGES" \
+  --build-arg TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}" \
+  -t "protofl-app-python:$FLWR_VERSION" . >/dev/null
 compose_files=(-f docker-compose.yml -f docker-compose.override.yml)
 compose build --quiet
 compose up -d
