@@ -107,10 +107,15 @@ if [ "$FLOWER_IMAGES" != flwr ]; then
     tar -C "$work/rootfs" -c . | docker import - protofl-debian:bookworm >/dev/null
     rm -rf "$work/rootfs"
   fi
-  # always built: unchanged, every layer comes from the cache; changed, no stale base is used
+  # always built: unchanged, every layer comes from the cache; changed, no stale base is used. Its venv
+  # stage (Flower installed) is tagged as well, so that the prune at the end keeps it: pruned, the next
+  # run installed Flower again, and the new base image that gave made every image above it rebuild
   log "building Flower $FLWR_VERSION's images from it ($FLOWER_IMAGES/*)"
-  docker build --quiet -f deploy/base.Dockerfile --build-arg DEBIAN_IMAGE=protofl-debian:bookworm \
-    --build-arg FLWR_VERSION="$FLWR_VERSION" -t "$FLOWER_IMAGES/flower:$FLWR_VERSION" . >/dev/null
+  for target in venv ""; do
+    docker build --quiet -f deploy/base.Dockerfile --build-arg DEBIAN_IMAGE=protofl-debian:bookworm \
+      --build-arg FLWR_VERSION="$FLWR_VERSION" ${target:+--target "$target"} \
+      -t "$FLOWER_IMAGES/flower${target:+-$target}:$FLWR_VERSION" . >/dev/null
+  done
   for component in superlink supernode superexec; do
     docker tag "$FLOWER_IMAGES/flower:$FLWR_VERSION" "$FLOWER_IMAGES/$component:$FLWR_VERSION"
   done
@@ -131,7 +136,9 @@ flwr_side() {  # flwr_side register|run|attack|faults <variant> [args]: deploy/c
 log "insecure demo: build and start"
 # The app's dependencies (the Dockerfile's app-python stage: torch and the rest, about 6.5 GB) are an
 # intermediate stage of the app image: untagged, the prune at the end removed them and every run
-# installed them again. Tagged, they stay, and the next run's build takes them from the cache.
+# installed them again. Tagged, they stay, and the next run's build takes them from the cache (a new
+# version of them moves the tag, and the prune removes the old one). The two tagged stages hold the
+# build CA (/tmp/build): this host's build cache, never run or pushed; the images that run are checked.
 docker build --quiet -f deploy/Dockerfile --target app-python --build-arg FLWR_VERSION="$FLWR_VERSION" \
   --build-arg FLOWER_IMAGES="$FLOWER_IMAGES" \
   --build-arg TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}" \
