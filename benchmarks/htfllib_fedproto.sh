@@ -94,6 +94,8 @@ for label_dir in sorted(p for p in (out / "protofl").iterdir() if p.is_dir()):
         if not path.exists():
             continue
         rs = {r["round"]: r for r in json.loads(path.read_text())["rounds"]}
+        if max(rs, default=0) < rounds:
+            notes.append(f"protofl {label_dir.name} seed {s}: unfinished ({max(rs, default=0)} rounds)"); continue
         get = lambda r, f: rs.get(r, {}).get(f)
         c = {k: [get(r, f) for r in range(1, rounds + 1)] for k, f in
              (("w", "personalized_accuracy"), ("m", "personalized_accuracy_mean"), ("std", "personalized_std"),
