@@ -23,6 +23,16 @@ Dirichlet draw is the one protofl's ``partition='dirichlet-pfllib'`` makes with 
 stratified per class, PFLlib's is not), so the training sizes may differ by a few samples per client:
 both are printed. ``--pfllib-split protofl`` writes PFLlib's files with protofl's own per-client
 train/test indices instead (then both train on exactly the same samples).
+
+A preset's own clients, for PFLlib or HtFLlib (benchmarks/htfllib_fedproto.sh)::
+
+    python benchmarks/pfllib_data.py --preset presets/fmnist-fedsa-table2.toml --out /tmp/htfl --name FMNIST-fedsa
+
+writes the tensors protofl's clients of that preset train and test on (``load_client_data``: the
+same samples, normalised as protofl normalises them, in the input shape protofl uses, e.g.
+1 x 28 x 28) to ``<out>/dataset/<name>/{train,test}/<client>.npz``, each split in a seeded random
+order (``--order``, ``--seed``); ``--run-config`` adds overrides after the preset's, ``--clients``
+overrides the preset's ``num-supernodes``.
 """
 
 from __future__ import annotations
@@ -63,14 +73,71 @@ def write_cifar(folder: Path, num_train: int) -> None:
                      "num_vis": 3072}, handle, protocol=2)
 
 
+def save_client_file(path: str, x: np.ndarray, y: np.ndarray, compressed: bool) -> str:
+    """One client file as PFLlib's and HtFLlib's ``read_client_data`` load it: ``np.savez[_compressed]``
+    of ``data={'x': float32 (n, C, H, W), 'y': int64 (n,)}``."""
+    data = {"x": np.ascontiguousarray(x, dtype=np.float32), "y": np.asarray(y, dtype=np.int64)}
+    with open(path, "wb") as f:
+        (np.savez_compressed if compressed else np.savez)(f, data=data)
+    return path
+
+
 def write_client_file(path: str, idx: np.ndarray, compressed: bool) -> str:
     """One PFLlib client file: images of ``idx`` as ToTensor + Normalize(0.5, 0.5) gives them."""
     x = IMAGES[idx].reshape(-1, 3, 32, 32).astype(np.float32) / np.float32(255)
     x = (x - np.float32(0.5)) / np.float32(0.5)
-    data = {"x": x, "y": LABELS[idx].astype(np.int64)}
-    with open(path, "wb") as f:
-        (np.savez_compressed if compressed else np.savez)(f, data=data)
-    return path
+    return save_client_file(path, x, LABELS[idx], compressed)
+
+
+def write_config(root: Path, num_clients: int, statistic: list, alpha: float, batch_size: int, **extra) -> None:
+    """``config.json`` beside the client folders, as PFLlib's generate_*.py scripts write it."""
+    config = {"num_clients": num_clients, "num_classes": 10, "non_iid": True, "balance": False,
+              "partition": "dir", "Size of samples for labels in clients": statistic, "alpha": alpha,
+              "batch_size": batch_size} | extra
+    (root / "config.json").write_text(json.dumps(config))
+
+
+def write_preset_clients(args: argparse.Namespace) -> int:
+    """``--preset``: protofl's own clients of a preset (its partition, data fraction, local train/test
+    split and normalisation: the tensors ``load_client_data`` gives each client) in PFLlib's / HtFLlib's
+    layout, ``<out>/dataset/<name>/{train,test}/<client>.npz`` and ``config.json``.
+
+    Each split is written in a seeded random order (``--order shuffled``, seed ``--seed``): the files
+    that PFLlib's generate scripts write come out of sklearn's shuffling ``train_test_split``, and
+    PFLlib's and HtFLlib's training loaders read them unshuffled, while protofl's partitions are in
+    index order (grouped by class). ``--order as-is`` keeps protofl's order."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from compare import merged, preset_overrides, preset_federation, config_pairs
+    from protofl.settings import ExperimentSettings, default_run_config, parse_overrides
+    from protofl.task.data import load_client_data
+
+    overrides = merged(f"{preset_overrides(args.preset)} {args.run_config}")
+    settings = ExperimentSettings.from_run_config(default_run_config(ROOT / "pyproject.toml") | parse_overrides(overrides))
+    clients = args.clients or int(config_pairs(preset_federation(args.preset)).get("num-supernodes", 10))
+    spec = settings.partition_spec(clients)
+    root = args.out.expanduser().resolve() / "dataset" / args.name
+    for sub in ("train", "test"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(args.seed)
+    statistic, sizes = [], {"train": [], "test": []}
+    for p in range(clients):
+        data = load_client_data(settings.dataset, settings.data_dir, spec, p)
+        splits = {"train": (data.train_x.numpy(), data.train_y.numpy()), "test": (data.test_x.numpy(), data.test_y.numpy())}
+        for sub, (x, y) in splits.items():
+            order = rng.permutation(len(y)) if args.order == "shuffled" else np.arange(len(y))
+            save_client_file(str(root / sub / f"{p}.npz"), x[order], y[order], not args.uncompressed)
+            sizes[sub].append(len(y))
+        labels = np.concatenate([data.train_y.numpy(), data.test_y.numpy()])
+        statistic.append([(int(c), int(n)) for c, n in zip(*np.unique(labels, return_counts=True))])
+        print(f"client {p}: train {len(data.train_y)} {data.class_counts().tolist()}, test {len(data.test_y)}")
+    write_config(root, clients, statistic, spec.alpha, settings.batch_size, partition=spec.scheme,
+                 protofl_preset=str(args.preset), protofl_overrides=args.run_config, order=args.order,
+                 order_seed=args.seed, shape=list(data.train_x.shape[1:]))
+    (root / "sizes.json").write_text(json.dumps(sizes))
+    print(f"{settings.dataset}: {clients} clients of {args.preset} ({spec}) in {root}: "
+          f"train {sum(sizes['train'])}, test {sum(sizes['test'])}, input {tuple(data.train_x.shape[1:])}")
+    return 0
 
 
 def import_dataset_utils():
@@ -120,14 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--samples", type=int, default=60_000, help="images in all (CIFAR-10: 60,000)")
-    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--clients", type=int, help="20 (random images); a preset's own count (--preset)")
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=1, help="PFLlib's np.random.seed and protofl's partition-seed")
     parser.add_argument("--pfllib-split", choices=("pfllib", "protofl"), default="pfllib")
     parser.add_argument("--uncompressed", action="store_true", help="np.savez instead of PFLlib's savez_compressed")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with protofl's split")
+    preset = parser.add_argument_group("a preset's clients (instead of random CIFAR-10-shaped images)")
+    preset.add_argument("--preset", type=Path, help="write protofl's clients of this preset (presets/*.toml)")
+    preset.add_argument("--run-config", default="", help="overrides after the preset's")
+    preset.add_argument("--name", default="protofl", help="the data set folder's name (HtFLlib's -data)")
+    preset.add_argument("--order", choices=("shuffled", "as-is"), default="shuffled")
     args = parser.parse_args(argv)
+    if args.preset:
+        return write_preset_clients(args)
+    args.clients = args.clients or 20
     if args.samples % 60:
         parser.error("--samples must be a multiple of 60 (10 classes, 5/6 in the training files)")
     started = time.perf_counter()
@@ -168,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs.sort(key=lambda job: -len(job[1]))  # the largest first
     with ProcessPoolExecutor(max(1, args.workers), mp_context=get_context("fork")) as pool:
         list(pool.map(write_client_file, *zip(*jobs), [not args.uncompressed] * len(jobs)))
-    config = {"num_clients": args.clients, "num_classes": 10, "non_iid": True, "balance": False,
-              "partition": "dir", "Size of samples for labels in clients": statistic, "alpha": args.alpha,
-              "batch_size": du.batch_size}
-    (root / "config.json").write_text(json.dumps(config))
+    write_config(root, args.clients, statistic, args.alpha, du.batch_size)
     (out / "sizes.json").write_text(json.dumps(sizes | {"split": args.pfllib_split, "seed": args.seed}))
 
     print(f"{args.samples} images, {args.clients} clients, alpha {args.alpha}, seed {args.seed}: "

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# FedProto's accuracy per round: HtFLlib (TsingZ0/HtFLlib, its own code run as is) against protofl,
+# on the same clients' data: FedSA's Table 2 rerun on Fashion-MNIST (presets/fmnist-fedsa-table2.toml,
+# HtFE2 column: 10 clients, 5 a round, 3 % of the data, Dirichlet 0.1 PFLlib-style split with
+# partition-seed 1, 25 % test split per client, 8 rounds of 1 epoch, batch 10, lr 0.01, lambda 10,
+# unweighted prototype means, prototypes from the training passes).
+#
+# From the project root, on a CPU (each run ~1.5-3 min on 2 cores):
+#   HTFLLIB=<HtFLlib checkout> OUT=<folder> bash benchmarks/htfllib_fedproto.sh
+# Writes $OUT/htfllib.md (the per-round table; rewritten by the report step) and keeps the runs:
+# $OUT/dataset/ (the data), $OUT/htfllib/seed-<s>.json and .log (HtFLlib's scores and output),
+# $OUT/protofl/<label>/seed-<s>/results.json (benchmarks/compare.py's runs). Steps (STEPS, in order):
+#   data    benchmarks/pfllib_data.py --preset: protofl's clients of the preset (the very samples and
+#           tensors each client trains and tests on, 1 x 28 x 28, normalised (x - 0.5) / 0.5) written
+#           as HtFLlib's dataset/$NAME/{train,test}/<client>.npz, each split in a seeded random order
+#           (HtFLlib's loaders do not shuffle; PFLlib's generated files come shuffled)
+#   htfl    HtFLlib's system/main.py through benchmarks/htfllib_run.py (see its docstring for what it
+#           sets around HtFLlib: torch.load's weights_only, stand-ins for unused imports, the
+#           grey-scale CNN / ResNet stems), FedProto on HtFE-img-2 (CNN, ResNet-18), one run per
+#           seed of SEEDS: each round's clients are protofl's of that seed and round (--replay-seed)
+#   pro     protofl: benchmarks/compare.py --preset $PRESET --methods fedproto --seeds $SEEDS, and
+#           PRO_VARIANTS ("LABEL=OVERRIDES;LABEL=OVERRIDES", each with method='fedproto'), e.g.
+#           "fp32=method='fedproto' amp='off' channels-last=false"
+#   report  the table: per round, each side's sample-weighted accuracy over all 10 clients (HtFLlib's
+#           "Averaged Test Accuracy", protofl's personalized_accuracy) and the unweighted mean of the
+#           clients' accuracies (HtFLlib: from its per-client lines; protofl: personalized_accuracy_mean)
+#
+# What each side scores, and when: HtFLlib evaluates every client at the start of each round, before
+# that round's training; its evaluation k (k = 1..8, of -gr 8's nine rounds 0..8; round 0's has no
+# prototypes yet and scores 0, the ninth round's training is never scored) scores the models and the
+# global prototypes after k rounds, by the nearest global prototype (MSE), with model.eval(). protofl
+# scores every client (evaluate-clients='all') after round k's aggregation, with the round's global
+# prototypes: the same state. Both count accuracy as sum correct / sum tested over the 10 clients.
+set -uo pipefail
+HTFLLIB=${HTFLLIB:?set HTFLLIB to an HtFLlib checkout (e.g. commit e959261)}
+OUT=${OUT:-/tmp/htfllib-fedproto}
+PRESET=${PRESET:-presets/fmnist-fedsa-table2.toml}
+NAME=${NAME:-FMNIST-fedsa-table2}
+SEEDS=${SEEDS:-0 1 2}
+STEPS=${STEPS:-data htfl pro report}
+FAMILY=${FAMILY:-HtFE-img-2}        # HtFLlib's -m for the preset's model='htfe2'
+ROUNDS=${ROUNDS:-8}
+PRO_EXTRA=${PRO_EXTRA:-}            # more run-config overrides for every protofl run
+PRO_VARIANTS=${PRO_VARIANTS:-}
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=${FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION:-1}
+mkdir -p "$OUT/htfllib" "$OUT/protofl"
+HTFL_ARGS="-data $NAME -m $FAMILY -algo FedProto -gr $ROUNDS -jr 0.5 -nc 10 -ncl 10 -fd 512 -lbs 10 -lr 0.01 -lam 10 -ls 1 -eg 1 -dev cpu"
+
+run_data() {
+  python benchmarks/pfllib_data.py --preset "$PRESET" --run-config "method='fedproto' $PRO_EXTRA" \
+    --out "$OUT" --name "$NAME" --seed 1 2>&1 | tee "$OUT/data.log" | tail -3
+}
+
+run_htfl() {
+  for s in $SEEDS; do
+    local t0=$SECONDS
+    python benchmarks/htfllib_run.py --htfllib "$HTFLLIB" --work "$OUT" --out "$OUT/htfllib/seed-$s.json" \
+      --replay-seed "$s" --fraction 0.5 --min-clients 5 -- $HTFL_ARGS -go "seed$s" > "$OUT/htfllib/seed-$s.log" 2>&1
+    echo "HtFLlib seed $s: exit $?, $((SECONDS - t0)) s; $(grep -c '^Averaged Test Accuracy' "$OUT/htfllib/seed-$s.log") evaluations"
+  done
+}
+
+run_pro() {
+  local variants=()
+  if [ -n "$PRO_VARIANTS" ]; then
+    IFS=';' read -ra parts <<< "$PRO_VARIANTS"
+    for v in "${parts[@]}"; do variants+=(--variant "$v"); done
+  fi
+  python benchmarks/compare.py --preset "$PRESET" --methods fedproto "${variants[@]}" --run-config "$PRO_EXTRA" \
+    --seeds $SEEDS --out "$OUT/protofl" > "$OUT/protofl/compare.log" 2>&1
+  echo "protofl: exit $? ($(grep -c . "$OUT/protofl/compare.log") lines of log)"
+}
+
+run_report() {
+  python - "$OUT" "$SEEDS" "$HTFLLIB" "$ROUNDS" > "$OUT/htfllib.md" <<'EOF'
+import json, subprocess, sys
+from pathlib import Path
+import numpy as np
+out, seeds, htfllib, rounds = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split()], sys.argv[3], int(sys.argv[4])
+commit = subprocess.run(["git", "-C", htfllib, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+curves, notes = {}, []  # label -> seed -> {"w": [...], "m": [...], "std": [...]} for rounds 1..rounds
+for s in seeds:
+    path = out / "htfllib" / f"seed-{s}.json"
+    if not path.exists():
+        notes.append(f"HtFLlib seed {s}: no scores"); continue
+    h = json.loads(path.read_text())
+    ev = {e["trained_rounds"]: e for e in h["evaluations"]}
+    curves.setdefault("HtFLlib", {})[s] = {k: [ev[r][f] if r in ev else None for r in range(1, rounds + 1)]
+                                          for k, f in (("w", "accuracy"), ("m", "mean"), ("std", "std"))}
+    curves["HtFLlib"][s]["selected"] = h["selected"][:rounds]
+for label_dir in sorted(p for p in (out / "protofl").iterdir() if p.is_dir()):
+    for s in seeds:
+        path = label_dir / f"seed-{s}" / "results.json"
+        if not path.exists():
+            continue
+        rs = {r["round"]: r for r in json.loads(path.read_text())["rounds"]}
+        if max(rs, default=0) < rounds:
+            notes.append(f"protofl {label_dir.name} seed {s}: unfinished ({max(rs, default=0)} rounds)"); continue
+        get = lambda r, f: rs.get(r, {}).get(f)
+        c = {k: [get(r, f) for r in range(1, rounds + 1)] for k, f in
+             (("w", "personalized_accuracy"), ("m", "personalized_accuracy_mean"), ("std", "personalized_std"),
+              ("head", "personalized_accuracy_head"))}
+        c["selected"] = [get(r, "clients") for r in range(1, rounds + 1)]
+        curves.setdefault(f"protofl {label_dir.name}", {})[s] = c
+        h = curves.get("HtFLlib", {}).get(s)
+        if h and h["selected"] != c["selected"]:
+            notes.append(f"seed {s}: HtFLlib's clients {h['selected']} differ from protofl {label_dir.name}'s {c['selected']}")
+pct = lambda v: "–" if v is None else f"{100 * v:.1f}"
+def mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+print(f"# FedProto per round: HtFLlib {commit} against protofl, {out}\n")
+print("Accuracy over all 10 clients after each round, in %: sample-weighted (sum correct / sum tested; "
+      "HtFLlib's \"Averaged Test Accuracy\", protofl's PM) and, in brackets, the unweighted mean of the "
+      "clients' accuracies. Best and final: of the sample-weighted curve.\n")
+labels = list(curves)
+print("| side | seed | " + " | ".join(f"r{r}" for r in range(1, rounds + 1)) + " | best | final |")
+print("|---|---|" + "---|" * (rounds + 2))
+for label in labels:
+    for s in seeds + ["mean"]:
+        runs = curves[label]
+        if s == "mean":
+            if len(runs) < 2: continue
+            w = [mean([runs[x]["w"][i] for x in runs]) for i in range(rounds)]
+            m = [mean([runs[x]["m"][i] for x in runs]) for i in range(rounds)]
+            best = mean([max(v for v in runs[x]["w"] if v is not None) for x in runs])
+            final = mean([runs[x]["w"][-1] for x in runs])
+        elif s in runs:
+            w, m = runs[s]["w"], runs[s]["m"]
+            best, final = max(v for v in w if v is not None), w[-1]
+        else:
+            continue
+        cells = [f"{pct(a)} ({pct(b)})" for a, b in zip(w, m)]
+        print(f"| {label} | {s} | " + " | ".join(cells) + f" | {pct(best)} | {pct(final)} |")
+print()
+spread = lambda runs: ", ".join(f"s{s} {100 * r['std'][-1]:.1f}" for s, r in runs.items() if r["std"][-1] is not None)
+print("Spread across clients (std of the clients' accuracies, points) in the last round: " +
+      "; ".join(f"{label} {spread(curves[label])}" for label in labels))
+for label in labels:
+    if any("head" in r and r["head"][-1] is not None for r in curves[label].values()):
+        print(f"\n{label}, the head's argmax instead of the nearest prototype (sample-weighted, %): " + "; ".join(
+            f"s{s} " + " ".join(pct(v) for v in r["head"]) for s, r in curves[label].items()))
+for n in notes:
+    print(f"\n- {n}")
+EOF
+  cat "$OUT/htfllib.md"
+}
+
+for step in $STEPS; do
+  echo "=== $step ($(date -u +%T))"
+  case $step in
+    data) run_data ;;
+    htfl) run_htfl ;;
+    pro) run_pro ;;
+    report) run_report ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done ($(date -u +%T)): $OUT/htfllib.md"
