@@ -56,8 +56,8 @@ SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
 # COMPOSE_E2E_ROUND_TIMEOUT raises it on a host that others load (at a load average of 25 on 2 cores a
 # ClientApp's first reply took 107 s)
 ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
-# the demo's run config, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
-# (docker-compose.yml's header, docs/deployment/compose.md) passes it; every run below adds to it
+# the demo's run config passes it, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
+# (docker-compose.yml's header, docs/deployment/compose.md); flwr_run puts it before each run's keys
 # the ServerApp fault's runs lose no node, and their rounds must equal each other's: a round waits for a
 # ClientApp in a re-created container however loaded the host is (at a load average of 13-22, under CI's
 # slow suite, its first reply came after the 60 s and the resumed run trained one partition of two)
