@@ -134,14 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(record, indent=1))
 
     original_select = serverbase.Server.select_clients
+    sys.path.append(str(ROOT))  # after HtFLlib's system/: its own modules come first
+    from protofl.task.sampling import sample_partitions
 
     def select_clients(self):
         if args.replay_seed is None:
             chosen = original_select(self)
         else:
-            sys.path.insert(0, str(ROOT))
-            from protofl.task.sampling import sample_partitions
-
             ids = sample_partitions(range(self.num_clients), args.fraction, args.min_clients, args.replay_seed,
                                     len(record["selected"]) + 1)
             chosen = [self.clients[i] for i in ids]
