@@ -58,9 +58,9 @@ SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
 ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
 # the demo's run config passes it, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
 # (docker-compose.yml's header, docs/deployment/compose.md); flwr_run puts it before each run's keys
-# the ServerApp fault's runs lose no node, and their rounds must equal each other's: a round waits for a
-# ClientApp in a re-created container however loaded the host is (at a load average of 13-22, under CI's
-# slow suite, its first reply came after the 60 s and the resumed run trained one partition of two)
+# the runs that lose no node (the first run, the ServerApp fault's) wait for every ClientApp however
+# loaded the host is: under CI's slow suite (load average 13-22) a ClientApp's first reply came after the
+# 60 s, so the resumed run trained one partition of two, and the first run's discovery found no partition
 NO_FAULT_ROUND_TIMEOUT = max(ROUND_TIMEOUT, 300.0)
 RUNS = "/app/protofl-runs"  # the ServerApp's output-dir in superexec-serverapp (the results volume)
 
@@ -157,12 +157,12 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
 
 def flwr_run(home: Path, run_config: str, stream: bool = True, timeout: float = 900,
              round_timeout: float = ROUND_TIMEOUT) -> str:
-    """``flwr run`` of this checkout on the deployment with the demo's run config (``round_timeout``
-    its round-timeout) and ``run_config``: streamed to its end, or only submitted; its output (a
-    failure ends the test)."""
-    args = ["run", str(ROOT), "deployment", *(["--stream"] if stream else []),
-            "--run-config", f"round-timeout={round_timeout} {run_config}"]
-    done = native.flwr(home, args, timeout=timeout)
+    """A run of this checkout on the deployment with the demo's run config (``round_timeout`` its
+    round-timeout) and ``run_config``: streamed to its end by ``protofl run`` (which fails unless the
+    run completed, naming why), or only submitted by ``flwr run``; its output (a failure ends the test)."""
+    args = [str(ROOT), "deployment", "--run-config", f"round-timeout={round_timeout} {run_config}"]
+    done = native.protofl_run(home, args, timeout=timeout) if stream else native.flwr(home, ["run", *args],
+                                                                                     timeout=timeout)
     if done.returncode != 0:
         sys.exit(f"flwr run failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
     return done.stdout + done.stderr
@@ -226,7 +226,8 @@ def unreachable_beyond_loopback(port: int) -> list[str]:
 
 
 def run(home: Path, name: str, compose: list[str], front: str = "message") -> None:
-    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}' flower-api='{front}'")
+    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}' flower-api='{front}'",
+             round_timeout=NO_FAULT_ROUND_TIMEOUT)
     results = Deployment(compose).results(name)
     if results is None:
         sys.exit(f"{RUNS}/{name}/results.json is not in superexec-serverapp")
