@@ -1,4 +1,5 @@
-"""Every method with each of its switches, and the template's server-side switches, three rounds in
+"""Every method with each of its own switches, a family's switches on the family's template method
+(tests/inprocess.py's TEMPLATE_METHODS), and the template's server-side switches, three rounds in
 one process (tests/inprocess.py): the round records a refactoring must leave unchanged, traffic
 included. ``tests/fixtures/round_records.json`` holds them as the code gave them when it was last
 regenerated; ``tests/test_round_records.py`` compares today's runs with it.
@@ -24,7 +25,7 @@ import typing
 from pathlib import Path
 from unittest import mock
 
-from inprocess import SMALL_CREFF
+from inprocess import SMALL_CREFF, TEMPLATE_METHODS
 
 from protofl.report import rounds_without_timing
 
@@ -51,11 +52,16 @@ TEMPLATE_SWITCHES = {
 CASE_SETTINGS = {"feddistill.target=logits": {"lr": 0.01}}
 
 
-def switch_values(options_class) -> list[tuple[str, object]]:
-    """(run-config key, value) for every value but the default of each bool or ``Literal`` option."""
+def switch_values(options_class, only_from: str | None = None) -> list[tuple[str, object]]:
+    """(run-config key, value) for every value but the default of each bool or ``Literal`` option;
+    ``only_from``: of the options that module declares (a method's own, not its family's: a family's
+    switch, such as averaging's ``weighted``, is the family's math, which its template method records)."""
     hints = typing.get_type_hints(options_class)
     switches = []
     for f in dataclasses.fields(options_class):
+        declared_by = next(c for c in options_class.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
+        if only_from is not None and declared_by.__module__ != only_from:
+            continue
         annotation = hints[f.name]
         values = (True, False) if annotation is bool else typing.get_args(annotation)
         if annotation is bool or typing.get_origin(annotation) is typing.Literal:
@@ -65,13 +71,16 @@ def switch_values(options_class) -> list[tuple[str, object]]:
 
 
 def cases() -> dict[str, dict]:
-    """Case name -> its run config, besides ``RUN``."""
+    """Case name -> its run config, besides ``RUN``: each method's plain case and its own switches,
+    the switches of its family too for a template method."""
     from protofl.strategies import METHODS, get_method
 
     found = {}
     for method in METHODS:
         found[method] = {"method": method}
-        for key, value in switch_values(get_method(method)[0].options_class):
+        strategy_class = get_method(method)[0]
+        own = None if method in TEMPLATE_METHODS else strategy_class.__module__
+        for key, value in switch_values(strategy_class.options_class, only_from=own):
             found[f"{method}.{key}={value}"] = {"method": method, f"{method}.{key}": value}
             found[f"{method}.{key}={value}"] |= CASE_SETTINGS.get(f"{method}.{key}={value}", {})
     return found | TEMPLATE_SWITCHES

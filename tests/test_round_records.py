@@ -1,9 +1,9 @@
-"""Refactorings change no number: every method with each of its switches, and the template's
-server-side switches, give the round records that tests/fixtures/round_records.json holds, traffic
-and dropped replies included, on the Message API, the default Flower front; and on the legacy
-front, a method of each family, the methods whose uploads and state differ most, and the switches
-that change which messages go out (tests/round_records.py says how the fixture was made and how to
-remake it)."""
+"""Refactorings change no number: every method with each of its own switches, a family's switches
+on the family's template method, and the template's server-side switches give the round records
+that tests/fixtures/round_records.json holds, traffic and dropped replies included, on the Message
+API, the default Flower front; and on the legacy front, a method of each family, the methods whose
+uploads and state differ most, and the switches that change which messages go out
+(tests/round_records.py says how the fixture was made and how to remake it)."""
 
 import json
 import math
