@@ -85,6 +85,23 @@ def test_not_true_distillation_on_a_three_class_case():
     assert scaled.item() == pytest.approx(4 * loss.item(), rel=1e-6)
 
 
+
+def test_not_true_distillation_of_bfloat16_logits_is_the_float32_divergence():
+    """Under bf16 autocast (a BF16 CPU's amp=auto) the logits come in bfloat16, and a KL summed in
+    bfloat16 of two near distributions is noise around 0: an honest client reported ntd-loss
+    -8.7e-4 and was dropped. It is computed in float32: the float64 value of the same inputs, to
+    float32's rounding of the 9 log-probabilities (~1e-7 each, relative to the logits' scale ~1)."""
+    generator = torch.Generator().manual_seed(0)
+    local = torch.randn(64, 10, generator=generator)
+    global_ = local + 0.05 * torch.randn(64, 10, generator=generator)
+    labels = torch.randint(0, 10, (64,), generator=generator)
+    local, global_ = local.bfloat16(), global_.bfloat16()
+    want = not_true_distillation(local.double(), global_.double(), labels, temperature=1.0).item()
+    got = not_true_distillation(local, global_, labels, temperature=1.0)
+    assert got.dtype == torch.float32
+    assert 0 < want and got.item() == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
 def test_client_control_update_option_two():
     c_i = [np.array([0.0, 1.0], np.float32)]
     c = [np.array([0.25, -0.5], np.float32)]

@@ -13,6 +13,7 @@ import pickle
 import numpy as np
 import pytest
 from fakes import OK, FakeProxy, uploads_class_statistics
+from inprocess import TEMPLATE_METHODS
 from flwr.common import EvaluateRes, FitRes, Parameters, parameters_to_ndarrays
 from replies import (
     N, aggregate_fit, altered, assert_same_state, class_means_of, exchanges_nothing, honest_update, make_strategy,
@@ -139,12 +140,14 @@ ATTACKS = {f.__name__[len("attack_"):]: f for f in (
 
 
 def methods_and_fronts():
-    """Every method on both fronts; fast: on the Message API parameters only (FedAvg), class
-    statistics (FedProto), named uploads (SCAFFOLD), unit-ball prototypes (FedNH); on the legacy
-    front (the same admission behind another transport) FedAvg."""
+    """Every method on the Message API; on the legacy front (the same admission behind another
+    transport, a template) a method of each family. Fast: on the Message API parameters only (FedAvg),
+    class statistics (FedProto), named uploads (SCAFFOLD), unit-ball prototypes (FedNH); on the legacy
+    front FedAvg."""
     fast = {"message": ("fedavg", "fedproto", "scaffold", "fednh"), "legacy": ("fedavg",)}
+    run = {"message": sorted(METHODS), "legacy": TEMPLATE_METHODS}
     return [pytest.param(method, front, marks=() if method in fast[front] else pytest.mark.slow)
-            for method in sorted(METHODS) for front in fast]
+            for front in fast for method in run[front]]
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))

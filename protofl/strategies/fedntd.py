@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from protofl.federation.client import PrototypeClient
 from protofl.strategies.families.averaging import AveragingStrategy, ParameterAveraging
+from protofl.task.losses import at_least_float32
 from protofl.task.weights import all_tensors
 
 NTD_LOSS = "ntd-loss"
@@ -53,7 +54,8 @@ def not_true_distillation(
     logits: torch.Tensor, global_logits: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """L_NTD (Eq. 4): tau^2 KL(global || local) of the not-true softmaxes at temperature tau, summed
-    over the classes and averaged over the batch."""
+    over the classes and averaged over the batch, in float32 at least."""
+    logits, global_logits = at_least_float32(logits), at_least_float32(global_logits)
     log_local = F.log_softmax(not_true_logits(logits, labels) / temperature, dim=1)
     log_global = F.log_softmax(not_true_logits(global_logits, labels) / temperature, dim=1)
     divergence = (log_global.exp() * (log_global - log_local)).sum(dim=1).mean()

@@ -161,7 +161,8 @@ class CapturedStep:
 class DeviceMeans:
     """Named means over batches (e.g. a method's loss parts), summed on the device without waiting
     for the host: a captured step's replays add to them. A name's sums are made by its first
-    (eager) batch: a capture follows warm-up steps."""
+    (eager) batch: a capture follows warm-up steps. Sums are in float32 at least: a part computed
+    under bf16 autocast is a bfloat16 scalar, and a bfloat16 sum stops growing."""
 
     def __init__(self) -> None:
         self.sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (sum, batches)
@@ -169,7 +170,8 @@ class DeviceMeans:
     def add(self, **values: torch.Tensor) -> None:
         for name, value in values.items():
             if name not in self.sums:
-                self.sums[name] = value.new_zeros(()), torch.zeros((), dtype=torch.long, device=value.device)
+                self.sums[name] = (value.new_zeros((), dtype=torch.promote_types(value.dtype, torch.float32)),
+                                   torch.zeros((), dtype=torch.long, device=value.device))
             total, batches = self.sums[name]
             total.add_(value.detach())
             batches.add_(1)

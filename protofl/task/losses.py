@@ -22,8 +22,16 @@ def prototype_loss(
     return ((features - prototypes[labels]) ** 2 * has_prototype).sum() / features.numel()
 
 
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, or float64 if it is: a divergence of bfloat16 logits (bf16 autocast,
+    which leaves CPU softmaxes in bfloat16) summed in bfloat16 is rounding noise around 0, negative
+    as often as not for two near distributions."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def mean_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """KL(softmax(target) || softmax(logits)) averaged over the batch and the classes (``nn.KLDivLoss()``
-    on log-probabilities and probabilities; FML's, FedKD's)."""
+    on log-probabilities and probabilities; FML's, FedKD's), in float32 at least."""
+    logits, target_logits = at_least_float32(logits), at_least_float32(target_logits)
     target = target_logits.softmax(dim=1)
     return (torch.xlogy(target, target) - target * logits.log_softmax(dim=1)).mean()
