@@ -85,7 +85,6 @@ def test_not_true_distillation_on_a_three_class_case():
     assert scaled.item() == pytest.approx(4 * loss.item(), rel=1e-6)
 
 
-
 def test_not_true_distillation_of_bfloat16_logits_is_the_float32_divergence():
     """Under bf16 autocast (a BF16 CPU's amp=auto) the logits come in bfloat16, and a KL summed in
     bfloat16 of two near distributions is noise around 0: an honest client reported ntd-loss

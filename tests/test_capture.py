@@ -110,7 +110,6 @@ def test_an_extra_loss_and_its_sums_on_the_device_train_as_in_the_plain_loop(mon
     assert int(got[2].counts.sum()) == 4 * 16
 
 
-
 def test_device_means_of_bfloat16_values_sum_in_float32():
     """A loss part computed under bf16 autocast is a bfloat16 scalar; summed in bfloat16 its sum
     stalls (at 4 the spacing is 1/32, more than the 0.01 added): 1000 batches of 0.01 mean 0.01."""

@@ -13,8 +13,8 @@ import pickle
 import numpy as np
 import pytest
 from fakes import OK, FakeProxy, uploads_class_statistics
-from inprocess import TEMPLATE_METHODS
 from flwr.common import EvaluateRes, FitRes, Parameters, parameters_to_ndarrays
+from inprocess import TEMPLATE_METHODS
 from replies import (
     N, aggregate_fit, altered, assert_same_state, class_means_of, exchanges_nothing, honest_update, make_strategy,
     scaled_parameters, server_state,
