@@ -1,6 +1,6 @@
 """protofl's FedProto on a preset in one process (tests/inprocess.py's federation, no Ray), with
 HtFLlib's behaviour put in one piece at a time, to find which piece moves the accuracy curve
-(benchmarks/htfllib_fedproto.sh compares the two libraries).
+(benchmarks/htfllib_compare.sh compares the two libraries).
 
     python benchmarks/fedproto_probe.py --preset presets/fmnist-fedsa-table2.toml --seed 0 \\
         --probe seen-only --run-config "amp='off'" --out /tmp/probe

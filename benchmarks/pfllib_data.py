@@ -24,7 +24,7 @@ stratified per class, PFLlib's is not), so the training sizes may differ by a fe
 both are printed. ``--pfllib-split protofl`` writes PFLlib's files with protofl's own per-client
 train/test indices instead (then both train on exactly the same samples).
 
-A preset's own clients, for PFLlib or HtFLlib (benchmarks/htfllib_fedproto.sh)::
+A preset's own clients, for PFLlib or HtFLlib (benchmarks/htfllib_compare.sh)::
 
     python benchmarks/pfllib_data.py --preset presets/fmnist-fedsa-table2.toml --out /tmp/htfl --name FMNIST-fedsa
 

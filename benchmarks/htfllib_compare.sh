@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# FedProto's accuracy per round: HtFLlib (TsingZ0/HtFLlib, its own code run as is) against protofl,
-# on the same clients' data: FedSA's Table 2 rerun on Fashion-MNIST (presets/fmnist-fedsa-table2.toml,
-# HtFE2 column: 10 clients, 5 a round, 3 % of the data, Dirichlet 0.1 PFLlib-style split with
-# partition-seed 1, 25 % test split per client, 8 rounds of 1 epoch, batch 10, lr 0.01, lambda 10,
-# unweighted prototype means, prototypes from the training passes).
+# A method's accuracy per round: HtFLlib (TsingZ0/HtFLlib, its own code run as is) against protofl,
+# on the same clients' data: by default FedProto in FedSA's Table 2 rerun on Fashion-MNIST
+# (presets/fmnist-fedsa-table2.toml, HtFE2 column: 10 clients, 5 a round, 3 % of the data, Dirichlet
+# 0.1 PFLlib-style split with partition-seed 1, 25 % test split per client, 8 rounds of 1 epoch,
+# batch 10, lr 0.01). METHOD is protofl's method, ALGO HtFLlib's -algo and ALGO_FLAGS its own flags
+# (FedSA's scripts' values, docs/results/fedsa-table.md), e.g.
+#   METHOD=lgfedavg ALGO=LG-FedAvg ALGO_FLAGS=          METHOD=local ALGO=Local ALGO_FLAGS=
+#   METHOD=fedproto ALGO=FedProto ALGO_FLAGS="-lam 10"  (the default)
 #
 # From the project root, on a CPU (each run ~1.5-3 min on 2 cores):
-#   HTFLLIB=<HtFLlib checkout> OUT=<folder> bash benchmarks/htfllib_fedproto.sh
+#   HTFLLIB=<HtFLlib checkout> OUT=<folder> bash benchmarks/htfllib_compare.sh
 # Writes $OUT/htfllib.md (the per-round table; rewritten by the report step) and keeps the runs:
 # $OUT/dataset/ (the data), $OUT/htfllib/seed-<s>.json and .log (HtFLlib's scores and output),
 # $OUT/protofl/<label>/seed-<s>/results.json (benchmarks/compare.py's runs). Steps (STEPS, in order):
@@ -16,26 +19,29 @@
 #           (HtFLlib's loaders do not shuffle; PFLlib's generated files come shuffled)
 #   htfl    HtFLlib's system/main.py through benchmarks/htfllib_run.py (see its docstring for what it
 #           sets around HtFLlib: torch.load's weights_only, stand-ins for unused imports, the
-#           grey-scale CNN / ResNet stems), FedProto on HtFE-img-2 (CNN, ResNet-18), one run per
-#           seed of SEEDS: each round's clients are protofl's of that seed and round (--replay-seed)
-#   pro     protofl: benchmarks/compare.py --preset $PRESET --methods fedproto --seeds $SEEDS, and
-#           PRO_VARIANTS ("LABEL=OVERRIDES;LABEL=OVERRIDES", each with method='fedproto'), e.g.
+#           grey-scale CNN / ResNet stems), ALGO on HtFE-img-2 (CNN, ResNet-18), one run per seed of
+#           SEEDS: each round's clients are protofl's of that seed and round (--replay-seed)
+#   pro     protofl: benchmarks/compare.py --preset $PRESET --methods $METHOD --seeds $SEEDS, and
+#           PRO_VARIANTS ("LABEL=OVERRIDES;LABEL=OVERRIDES", each naming its method), e.g.
 #           "fp32=method='fedproto' amp='off' channels-last=false"
 #   report  the table: per round, each side's sample-weighted accuracy over all 10 clients (HtFLlib's
 #           "Averaged Test Accuracy", protofl's personalized_accuracy) and the unweighted mean of the
 #           clients' accuracies (HtFLlib: from its per-client lines; protofl: personalized_accuracy_mean)
 #
-# What each side scores, and when: HtFLlib evaluates every client at the start of each round, before
-# that round's training; its evaluation k (k = 1..8, of -gr 8's nine rounds 0..8; round 0's has no
-# prototypes yet and scores 0, the ninth round's training is never scored) scores the models and the
-# global prototypes after k rounds, by the nearest global prototype (MSE), with model.eval(). protofl
-# scores every client (evaluate-clients='all') after round k's aggregation, with the round's global
-# prototypes: the same state. Both count accuracy as sum correct / sum tested over the 10 clients.
+# What each side scores, and when: HtFLlib evaluates every client at the start of each round, after
+# the server's broadcast and before that round's training; its evaluation k (k = 1..8, of -gr 8's
+# nine rounds 0..8; the ninth round's training is never scored) scores the clients' models (and, for
+# FedProto, the global prototypes, by the nearest one) after k rounds, with model.eval(). protofl
+# scores every client (evaluate-clients='all') after round k's aggregation, with what the round
+# broadcast: the same state. Both count accuracy as sum correct / sum tested over the 10 clients.
 set -uo pipefail
 HTFLLIB=${HTFLLIB:?set HTFLLIB to an HtFLlib checkout (e.g. commit e959261)}
-OUT=${OUT:-/tmp/htfllib-fedproto}
 PRESET=${PRESET:-presets/fmnist-fedsa-table2.toml}
 NAME=${NAME:-FMNIST-fedsa-table2}
+METHOD=${METHOD:-fedproto}
+ALGO=${ALGO:-FedProto}
+ALGO_FLAGS=${ALGO_FLAGS--lam 10}    # set and empty: no flags of its own
+OUT=${OUT:-/tmp/htfllib-$METHOD}
 SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-data htfl pro report}
 FAMILY=${FAMILY:-HtFE-img-2}        # HtFLlib's -m for the preset's model='htfe2'
@@ -44,10 +50,10 @@ PRO_EXTRA=${PRO_EXTRA:-}            # more run-config overrides for every protof
 PRO_VARIANTS=${PRO_VARIANTS:-}
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=${FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION:-1}
 mkdir -p "$OUT/htfllib" "$OUT/protofl"
-HTFL_ARGS="-data $NAME -m $FAMILY -algo FedProto -gr $ROUNDS -jr 0.5 -nc 10 -ncl 10 -fd 512 -lbs 10 -lr 0.01 -lam 10 -ls 1 -eg 1 -dev cpu"
+HTFL_ARGS="-data $NAME -m $FAMILY -algo $ALGO -gr $ROUNDS -jr 0.5 -nc 10 -ncl 10 -fd 512 -lbs 10 -lr 0.01 $ALGO_FLAGS -ls 1 -eg 1 -dev cpu"
 
 run_data() {
-  python benchmarks/pfllib_data.py --preset "$PRESET" --run-config "method='fedproto' $PRO_EXTRA" \
+  python benchmarks/pfllib_data.py --preset "$PRESET" --run-config "method='$METHOD' $PRO_EXTRA" \
     --out "$OUT" --name "$NAME" --seed 1 2>&1 | tee "$OUT/data.log" | tail -3
 }
 
@@ -66,17 +72,18 @@ run_pro() {
     IFS=';' read -ra parts <<< "$PRO_VARIANTS"
     for v in "${parts[@]}"; do variants+=(--variant "$v"); done
   fi
-  python benchmarks/compare.py --preset "$PRESET" --methods fedproto "${variants[@]}" --run-config "$PRO_EXTRA" \
+  python benchmarks/compare.py --preset "$PRESET" --methods "$METHOD" "${variants[@]}" --run-config "$PRO_EXTRA" \
     --seeds $SEEDS --out "$OUT/protofl" > "$OUT/protofl/compare.log" 2>&1
   echo "protofl: exit $? ($(grep -c . "$OUT/protofl/compare.log") lines of log)"
 }
 
 run_report() {
-  python - "$OUT" "$SEEDS" "$HTFLLIB" "$ROUNDS" > "$OUT/htfllib.md" <<'EOF'
+  python - "$OUT" "$SEEDS" "$HTFLLIB" "$ROUNDS" "$ALGO" > "$OUT/htfllib.md" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 import numpy as np
 out, seeds, htfllib, rounds = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split()], sys.argv[3], int(sys.argv[4])
+algo = sys.argv[5]
 commit = subprocess.run(["git", "-C", htfllib, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 curves, notes = {}, []  # label -> seed -> {"w": [...], "m": [...], "std": [...]} for rounds 1..rounds
 for s in seeds:
@@ -109,7 +116,7 @@ pct = lambda v: "–" if v is None else f"{100 * v:.1f}"
 def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
-print(f"# FedProto per round: HtFLlib {commit} against protofl, {out}\n")
+print(f"# {algo} per round: HtFLlib {commit} against protofl, {out}\n")
 print("Accuracy over all 10 clients after each round, in %: sample-weighted (sum correct / sum tested; "
       "HtFLlib's \"Averaged Test Accuracy\", protofl's PM) and, in brackets, the unweighted mean of the "
       "clients' accuracies. Best and final: of the sample-weighted curve.\n")
