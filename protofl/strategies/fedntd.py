@@ -80,7 +80,7 @@ class FedNTDClient(PrototypeClient):
     def batch_loss(self, features, logits, labels, inputs):
         with torch.no_grad():
             _, global_logits = self.global_model(inputs)
-        ntd = not_true_distillation(logits, global_logits.to(logits.dtype), labels, self.options.temperature)
+        ntd = not_true_distillation(logits, global_logits, labels, self.options.temperature)
         self.record_loss(**{NTD_LOSS: ntd})
         return self.options.beta * ntd  # Eq. 5
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Hashable, Iterator, Literal, Protocol, Sequenc
 
 import torch
 
+from protofl.task.losses import at_least_float32
 from protofl.task.weights import copy_tensors
 
 # the full-batch training step captured as a CUDA graph and replayed ("auto": on CUDA; never on a
@@ -170,7 +171,7 @@ class DeviceMeans:
     def add(self, **values: torch.Tensor) -> None:
         for name, value in values.items():
             if name not in self.sums:
-                self.sums[name] = (value.new_zeros((), dtype=torch.promote_types(value.dtype, torch.float32)),
+                self.sums[name] = (at_least_float32(value.new_zeros(())),
                                    torch.zeros((), dtype=torch.long, device=value.device))
             total, batches = self.sums[name]
             total.add_(value.detach())

@@ -25,7 +25,7 @@ def prototype_loss(
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in float32, or float64 if it is: a divergence of bfloat16 logits (bf16 autocast,
     which leaves CPU softmaxes in bfloat16) summed in bfloat16 is rounding noise around 0, negative
-    as often as not for two near distributions."""
+    as often as not for two near distributions, and a bfloat16 running sum stops growing."""
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
