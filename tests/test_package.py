@@ -271,10 +271,12 @@ def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_p
             assert versions[canonicalize_name(requirement.name)] in requirement.specifier, f"{requirement}{chosen}"
         checked = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, env=env, timeout=120)
         assert checked.returncode == 0, checked.stdout + chosen
-        # the main job's modules, imported once here: their bytecode is written for its processes
+        # the main job's modules, imported once here: their bytecode is written for its processes. That
+        # compiles thousands of modules: beside CI's other sessions (a load of 13 on 2 cores) it took
+        # over 120 s
         code = ("import json, sys, flwr, flwr.simulation, protofl, protofl.client_app, protofl.server_app; "
                 "print(json.dumps([flwr.__file__, protofl.__file__, sys.path]))")
-        *modules, path = json.loads(run_in(bin_dir, [python, "-c", code], tmp_path, env).stdout)
+        *modules, path = json.loads(run_in(bin_dir, [python, "-c", code], tmp_path, env, timeout=600).stdout)
         assert all(module.startswith(str(venv)) for module in modules), modules
         assert sysconfig.get_paths()["purelib"] not in path and str(ROOT) not in path  # the index's, not the pins'
         created = run_in(bin_dir, ["protofl", "new", "main-job"], tmp_path, env)

@@ -202,13 +202,6 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
     Deterministic for a given spec. Raises ``ValueError`` when a partition comes out
     with fewer than ``MIN_PARTITION_SIZE`` samples.
     """
-    import datasets  # heavy import, only where partitions are built
-    from flwr_datasets.partitioner import (
-        DirichletPartitioner,
-        IidPartitioner,
-        PathologicalPartitioner,
-    )
-
     labels = np.asarray(labels, dtype=np.int64)
     n = spec.num_partitions
     if n < 1:
@@ -231,6 +224,11 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
         return _checked(dirichlet_balanced(labels, n, float(spec.alpha), spec.seed), spec)
     if spec.scheme == "nid2":
         return _checked(nid2(labels, n), spec)
+    # Flower Datasets' partitioners, on a Hugging Face table: their imports (datasets, and flwr_datasets'
+    # plotting: seaborn, scipy) take about 3.5 CPU-seconds in each process, so the schemes above skip them
+    import datasets
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
     order = np.arange(len(labels))
     if spec.scheme == "iid":
         # IidPartitioner takes contiguous shards, so shuffle the table with the seed first.
