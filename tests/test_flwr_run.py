@@ -130,9 +130,10 @@ def test_protofl_run_ends_a_stale_superlink_completes_on_busy_cores_and_ctrl_c_s
     """A managed SuperLink on this Flower home's port, started as `flwr run` starts one, from a
     directory then deleted (a checkout removed and cloned again at its path): every run it takes
     dies at `import torch` before its first heartbeat (tests/test_run_command.py). With every core
-    busy (a busy loop on each the load leaves idle), `protofl run` ends that SuperLink, says so, and its two rounds on a new one
-    either complete (exit 0) or fail with one last line naming the status and cause. Then Ctrl-C in
-    a long run after its first round: `protofl run` exits 130 and the SuperLink has the run stopped."""
+    busy (a busy loop on each the load leaves idle), `protofl run` ends that SuperLink, says so, and
+    its two rounds on a new one either complete (exit 0) or fail with one last line naming the status
+    and cause. Then Ctrl-C in a long run after its first round: `protofl run` exits 130 and the
+    SuperLink has the run stopped."""
     command, env = flwr_command(tmp_path, "method='fedavg' num-server-rounds=2", runner="protofl")
     home, gone = Path(env["FLWR_HOME"]), tmp_path / "old-checkout"
     (home / "local-superlink").mkdir(parents=True)
