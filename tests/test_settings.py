@@ -1,11 +1,10 @@
 import re
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 from flwr.common.config import flatten_dict, parse_config_args
+from fresh_process import imported_by
 
 from protofl.settings import ExperimentSettings, default_run_config, parse_overrides
 from protofl.strategies import METHODS, get_method
@@ -149,12 +148,9 @@ def test_output_directory_is_absolute():
 def test_task_settings_report_and_the_overhead_benchmark_import_no_flower():
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import overhead, protofl.task.data, protofl.task.prototypes, "
-        "protofl.task.sampling, protofl.task.weights, protofl.task.models, protofl.settings, protofl.report; "
-        "print(sorted(m for m in sys.modules if m == 'flwr' or m.startswith('flwr.')))"
+        "protofl.task.sampling, protofl.task.weights, protofl.task.models, protofl.settings, protofl.report"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "[]"
+    assert imported_by(code, ("flwr",), cwd=ROOT) == []
     pattern = re.compile(r"^\s*(from|import)\s+flwr(\.|\s|$)", re.MULTILINE)
     offenders = [p.name for p in (ROOT / "protofl" / "task").rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
