@@ -175,12 +175,61 @@ def test_capped_dirichlet_without_the_cap_would_pile_up():
         capped_dirichlet(labels, 2, 0.5, 0, min_size=10**6, max_attempts=50)
 
 
-def test_the_numpy_schemes_import_neither_datasets_nor_flower_datasets():
-    """Flower Datasets' partitioners (iid, dirichlet, pathological) need ``datasets`` and import
-    flwr_datasets' plotting: about 3.5 CPU-seconds in every ClientApp process that builds its
-    partition. The schemes written in numpy build theirs without them."""
-    code = ("import numpy as np; from protofl.task.partition import PartitionSpec, partition_indices; "
+def test_no_scheme_imports_datasets_or_flower_datasets():
+    """Flower Datasets' partitioners need ``datasets`` and import flwr_datasets' plotting: about 3.5
+    CPU-seconds in every ClientApp process that builds its partition (one per message in a deployment).
+    Every scheme, Flower Datasets' three included, builds its partition in numpy."""
+    code = ("import numpy as np; from protofl.task.partition import PARTITION_SCHEMES, PartitionSpec, partition_indices; "
             "labels = np.arange(600) % 10; "
-            "[partition_indices(labels, PartitionSpec(s, 5, 0.5, 2, seed=1)) for s in "
-            "('dirichlet-pfllib', 'pathological-pfllib', 'dirichlet-niid', 'dirichlet-balanced', 'nid2')]")
+            "[partition_indices(labels, PartitionSpec(s, 5, 0.5, 2, seed=1)) for s in PARTITION_SCHEMES]")
     assert imported_by(code, ("datasets", "flwr_datasets")) == []
+
+
+def flower_datasets_partition(labels, spec):
+    """The partition Flower Datasets' own partitioner gives (what protofl's numpy one must equal)."""
+    import datasets
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
+    order = np.arange(len(labels))
+    if spec.scheme == "iid":
+        order = np.random.default_rng(spec.seed).permutation(len(labels))
+        partitioner = IidPartitioner(spec.num_partitions)
+    elif spec.scheme == "dirichlet":
+        partitioner = DirichletPartitioner(spec.num_partitions, "label", spec.alpha, min_partition_size=4,
+                                           self_balancing=False, shuffle=True, seed=spec.seed)
+    else:
+        partitioner = PathologicalPartitioner(spec.num_partitions, "label", spec.classes_per_client,
+                                              class_assignment_mode="random", shuffle=True, seed=spec.seed)
+    partitioner.dataset = datasets.Dataset.from_dict({"label": labels[order], "idx": order})
+    return [np.sort(partitioner.load_partition(i).with_format("numpy")[:]["idx"]) for i in range(spec.num_partitions)]
+
+
+# Flower Datasets' Dirichlet on LABELS draws 4 times at 20 clients and seed 0, 10 times (its last but
+# one) at 30 clients and seed 1, and gives up after its 11th at 40 clients and seed 1 (alpha 0.1)
+COMPARED_SPECS = ([PartitionSpec("iid", n, seed=s) for n in (1, 7) for s in (0, 1)]
+                  + [PartitionSpec("dirichlet", n, alpha=a, seed=s) for n in (3, 20) for a in (0.5, 100.0) for s in (0, 1)]
+                  + [PartitionSpec("dirichlet", n, alpha=0.1, seed=s) for n, s in ((20, 0), (30, 1), (40, 1))]
+                  + [PartitionSpec("pathological", n, classes_per_client=k, seed=1) for n in (3, 20) for k in (1, 3)])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Flower Datasets' notes on redraws and unused classes
+@pytest.mark.parametrize("labels", [LABELS, np.random.default_rng(0).choice(
+    [0, 1, 2, 4, 5, 6, 8, 9], 1500, p=[.3, .2, .1, .1, .1, .1, .05, .05])], ids=["balanced", "skewed-2-absent"])
+def test_iid_dirichlet_and_pathological_give_flower_datasets_partitions(labels):
+    outcomes = set()
+    for spec in COMPARED_SPECS:
+        try:
+            want = flower_datasets_partition(labels, spec)
+        except ValueError:  # Flower's gave up: protofl's gives up too
+            with pytest.raises(ValueError, match="no draw in 11"):
+                partition_indices(labels, spec)
+            outcomes.add("both gave up")
+            continue
+        if min(map(len, want)) < 4:  # protofl refuses a client too few samples for its train/test split
+            with pytest.raises(ValueError, match="fewer than 4"):
+                partition_indices(labels, spec)
+            outcomes.add("both too small")
+            continue
+        assert [p.tolist() for p in partition_indices(labels, spec)] == [p.tolist() for p in want], spec
+        outcomes.add("equal")
+    assert "equal" in outcomes and (labels is not LABELS or "both gave up" in outcomes)

@@ -90,12 +90,12 @@ def data_dirs(tmp_path_factory):
     """Generated files in each data set's real on-disk format (random pixels, every class present)."""
     root = tmp_path_factory.mktemp("preset-data")
     (root / "cifar10").mkdir()
-    write_cifar(root / "cifar10", 10, [600] * 5, 300)
+    write_cifar(root / "cifar10", 10, [300] * 5, 300)
     (root / "cifar100").mkdir()
-    write_cifar(root / "cifar100", 100, [3000], 300)
+    write_cifar(root / "cifar100", 100, [1500], 300)
     rng = np.random.default_rng(0)
     (root / "fmnist").mkdir()
-    for prefix, n in (("train", 3000), ("t10k", 300)):
+    for prefix, n in (("train", 1500), ("t10k", 300)):
         write_idx(root / "fmnist" / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)), compress=False)
         write_idx(root / "fmnist" / f"{prefix}-labels-idx1-ubyte", np.arange(n) % 10, compress=False)
     (root / "emnist").mkdir()  # EMNIST Balanced: 47 classes
@@ -112,7 +112,7 @@ def test_preset_runs_a_round(path, data_dirs, tmp_path):
     from inprocess import run_in_process
 
     preset = DEFAULTS | parse_config_args([str(path)])
-    # at most 10 clients: the generated files hold 3,300 images, not CIFAR's 60,000 (PFLlib's
+    # at most 10 clients: the generated files hold 1,800 (5,170 of EMNIST's) images, not CIFAR's 60,000 (PFLlib's
     # split would find no draw giving 100 clients 40 samples each), and a round stays short
     clients = min(int(federation(path)["num-supernodes"]), 10)
     preset |= {"data-dir": str(data_dirs / preset["dataset"]), "num-server-rounds": 1, "local-epochs": 1,

@@ -103,10 +103,14 @@ def test_sgd_takes_torch_sgds_steps_to_the_bit(momentum, weight_decay):
 
 
 @pytest.mark.slow  # a fresh Python process, 2-3 s
-def test_training_in_a_fresh_process_does_not_import_torch_dynamo():
-    """torch.optim's first optimizer imports torch._dynamo: ~1.2 s of every deployment message."""
-    code = ("import sys, torch\nfrom protofl.task.models import build_model\nfrom protofl.task.train import train\n"
+def test_model_sizes_and_training_in_a_fresh_process_import_no_dynamo_torchvision_or_sympy():
+    """torch.optim's first optimizer imports torch._dynamo: ~1.2 s of every deployment message; a CNN
+    measured on torch's meta device (the ServerApp's model_bytes, once a run) by a forward pass
+    imports sympy: ~1 s."""
+    code = ("import sys, torch\nfrom protofl.task.models import build_model, model_bytes\n"
+            "from protofl.task.train import train\n"
+            "model_bytes('cnn', 1, 10, 28), model_bytes('fednh-cnn', 3, 10, 32)\n"
             "m = build_model('cnn', 1, 10, 28, 0)\n"
             "train(m, torch.randn(20, 1, 28, 28), torch.arange(20) % 10, epochs=1, batch_size=10, lr=0.1, seed=0,"
             " momentum=0.9, weight_decay=1e-4, max_grad_norm=1.0)\n")
-    assert imported_by(code, ("torch._dynamo", "torchvision")) == []
+    assert imported_by(code, ("torch._dynamo", "torchvision", "sympy")) == []

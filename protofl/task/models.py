@@ -49,9 +49,11 @@ def _conv_features(in_channels: int, image_size: int, widths: tuple[int, int]) -
         nn.MaxPool2d(2),
         nn.Flatten(),
     )
-    with torch.no_grad():
-        flat = conv(torch.zeros(1, in_channels, image_size, image_size)).shape[1]
-    return conv, flat
+    side = ((image_size - 4) // 2 - 4) // 2  # each conv5x5 takes 4 pixels, each pool halves, rounding down
+    if side < 1:
+        raise ValueError(f"a {image_size}x{image_size} image is too small for two conv5x5 + maxpool2 layers")
+    # computed, not by a forward pass: on torch's meta device (model_bytes) that imports sympy, ~1 CPU-second
+    return conv, widths[1] * side * side
 
 
 def cnn(in_channels: int, num_classes: int, image_size: int, feature_dim: int = 512) -> SplitModel:

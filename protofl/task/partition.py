@@ -1,7 +1,7 @@
 """Label-skew partitions over an index table, and each client's local train/test split.
 
-The partitioners are flwr-datasets' own (IID, Dirichlet, pathological), run over a small
-``datasets.Dataset`` holding only ``label`` and ``idx`` columns; the images stay in numpy.
+``iid``, ``dirichlet`` and ``pathological`` are Flower Datasets' partitioners, written here in numpy
+(the same indices; no ``datasets`` import).
 ``dirichlet-niid`` and ``dirichlet-pfllib`` are the capped Dirichlet splits of FedNH's and
 PFLlib's code (NIID-Bench's), ``pathological-pfllib`` is PFLlib's deterministic class grouping (FedCoSR's protocol),
 ``dirichlet-balanced`` the CReFF-style equal-size Dirichlet split of FedSC/FedSKC's code and
@@ -29,6 +29,7 @@ MIN_PARTITION_SIZE = 4  # a client needs samples for both its local train and te
 PFLLIB_LEAST_SAMPLES = 40  # PFLlib's least_samples: batch 10 / (1 - 0.75 train share)
 NIID_MIN_SIZE, NIID_MIN_CLASSES, NIID_ATTEMPTS = 10, 2, 3  # FedNH's partitioner (NIID-Bench's, plus a class floor)
 PFLLIB_ATTEMPTS = 1000  # PFLlib redraws without end; past this many draws the floor is out of reach
+FLOWER_DIRICHLET_ATTEMPTS = 11  # Flower Datasets' DirichletPartitioner: a first draw and 10 more
 
 @dataclass(frozen=True)
 class PartitionSpec:
@@ -224,59 +225,69 @@ def partition_indices(labels: np.ndarray, spec: PartitionSpec) -> list[np.ndarra
         return _checked(dirichlet_balanced(labels, n, float(spec.alpha), spec.seed), spec)
     if spec.scheme == "nid2":
         return _checked(nid2(labels, n), spec)
-    # Flower Datasets' partitioners, on a Hugging Face table: their imports (datasets, and flwr_datasets'
-    # plotting: seaborn, scipy) take about 3.5 CPU-seconds in each process, so the schemes above skip them
-    import datasets
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
-
-    order = np.arange(len(labels))
     if spec.scheme == "iid":
-        # IidPartitioner takes contiguous shards, so shuffle the table with the seed first.
-        order = np.random.default_rng(spec.seed).permutation(len(labels))
-        partitioner = IidPartitioner(num_partitions=n)
-    elif spec.scheme == "dirichlet":
+        return _checked(np.array_split(np.random.default_rng(spec.seed).permutation(len(labels)), n), spec)
+    if spec.scheme == "dirichlet":
         if spec.alpha <= 0:
             raise ValueError(f"alpha must be > 0, got {spec.alpha}")
-        partitioner = DirichletPartitioner(
-            num_partitions=n,
-            partition_by="label",
-            alpha=float(spec.alpha),
-            min_partition_size=MIN_PARTITION_SIZE,
-            self_balancing=False,
-            shuffle=True,
-            seed=spec.seed,
-        )
-    elif spec.scheme == "pathological":
+        return _checked(flower_dirichlet(labels, n, float(spec.alpha), spec.seed), spec)
+    if spec.scheme == "pathological":
         num_classes = int(labels.max()) + 1
         if not 1 <= spec.classes_per_client <= num_classes:
-            raise ValueError(
-                f"classes-per-client must be in [1, {num_classes}], got {spec.classes_per_client}"
-            )
-        partitioner = PathologicalPartitioner(
-            num_partitions=n,
-            partition_by="label",
-            num_classes_per_partition=int(spec.classes_per_client),
-            class_assignment_mode="random",
-            shuffle=True,
-            seed=spec.seed,
-        )
-    else:
-        raise ValueError(f"partition must be one of {PARTITION_SCHEMES}, got {spec.scheme!r}")
+            raise ValueError(f"classes-per-client must be in [1, {num_classes}], got {spec.classes_per_client}")
+        return _checked(flower_pathological(labels, n, int(spec.classes_per_client), spec.seed), spec)
+    raise ValueError(f"partition must be one of {PARTITION_SCHEMES}, got {spec.scheme!r}")
 
-    partitioner.dataset = datasets.Dataset.from_dict({"label": labels[order], "idx": order})
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # Dirichlet's retry notes; failure raises
-            parts = [
-                partitioner.load_partition(i).with_format("numpy")[:]["idx"].astype(np.int64)
-                for i in range(n)
-            ]
-    except ValueError as err:  # e.g. Dirichlet gave up after its retries
-        raise ValueError(
-            f"could not build the {spec.scheme!r} partition of {len(labels)} samples into {n} "
-            f"clients ({err}); use fewer clients or a larger alpha"
-        ) from err
-    return _checked(parts, spec)
+
+# Flower Datasets' partitioners (flwr_datasets 0.6's IidPartitioner on a seeded permutation,
+# DirichletPartitioner without self-balancing, PathologicalPartitioner with random class assignment),
+# in numpy: the same indices from the same seed (tests/test_partition.py compares them with Flower
+# Datasets'), without importing ``datasets`` and Flower Datasets' plotting (3.5 CPU-seconds a process).
+# Each partitioner's last shuffle of every client's indices is left out: partitions are sorted.
+
+def flower_dirichlet(labels: np.ndarray, num_partitions: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Each class split by a Dirichlet(alpha) draw of client shares; the whole draw repeated, 11
+    times at most, until every client holds MIN_PARTITION_SIZE samples."""
+    rng = np.random.default_rng(seed)
+    by_class = [np.flatnonzero(labels == k) for k in np.unique(labels)]
+    for _ in range(FLOWER_DIRICHLET_ATTEMPTS):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        for members in by_class:
+            shares = rng.dirichlet(np.full(num_partitions, alpha))
+            cuts = (np.cumsum(shares) * len(members)).astype(int)[:-1]
+            for part, piece in zip(parts, np.split(members, cuts)):
+                part.append(piece)
+        sizes = [sum(len(piece) for piece in part) for part in parts]
+        if min(sizes) >= MIN_PARTITION_SIZE:
+            return [np.concatenate(part) for part in parts]
+    raise ValueError(
+        f"could not build the 'dirichlet' partition of {len(labels)} samples into {num_partitions} clients "
+        f"(no draw in {FLOWER_DIRICHLET_ATTEMPTS} gave every client {MIN_PARTITION_SIZE} samples); "
+        "use fewer clients or a larger alpha"
+    )
+
+
+def flower_pathological(labels: np.ndarray, num_partitions: int, classes_per_client: int,
+                        seed: int) -> list[np.ndarray]:
+    """Each client draws ``classes_per_client`` distinct classes; each class is cut into equal
+    consecutive shares, one per client that drew it, in client order."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    if classes_per_client > len(classes):
+        raise ValueError(f"classes-per-client {classes_per_client} is more than the {len(classes)} classes present")
+    drawn = [rng.choice(classes, size=classes_per_client, replace=False) for _ in range(num_partitions)]
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+    for k in classes:
+        holders = [i for i, chosen in enumerate(drawn) if k in chosen]
+        if not holders:  # a class no client drew is left out
+            continue
+        members = np.flatnonzero(labels == k)
+        if len(holders) > len(members):
+            raise ValueError(f"class {k} was drawn by {len(holders)} clients but has {len(members)} samples; "
+                             "use fewer clients or fewer classes per client")
+        for i, piece in zip(holders, np.array_split(members, len(holders))):
+            parts[i].append(piece)
+    return [np.concatenate(part) if part else np.zeros(0, np.int64) for part in parts]
 
 
 def _checked(parts: list[np.ndarray], spec: PartitionSpec) -> list[np.ndarray]:
