@@ -212,6 +212,7 @@ COMPARED_SPECS = ([PartitionSpec("iid", n, seed=s) for n in (1, 7) for s in (0, 
                   + [PartitionSpec("pathological", n, classes_per_client=k, seed=1) for n in (3, 20) for k in (1, 3)])
 
 
+@pytest.mark.slow  # imports datasets and Flower Datasets: 3.5 CPU-seconds
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Flower Datasets' notes on redraws and unused classes
 @pytest.mark.parametrize("labels", [LABELS, np.random.default_rng(0).choice(
     [0, 1, 2, 4, 5, 6, 8, 9], 1500, p=[.3, .2, .1, .1, .1, .1, .05, .05])], ids=["balanced", "skewed-2-absent"])
