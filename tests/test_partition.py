@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from fresh_process import imported_by
 
-from protofl.task.partition import PartitionSpec, client_split, partition_indices, stratified_split
+from protofl.task.partition import MIN_PARTITION_SIZE, PartitionSpec, client_split, partition_indices, stratified_split
 
 LABELS = np.repeat(np.arange(10), 200)  # 2,000 samples, 10 balanced classes
 
@@ -195,8 +195,9 @@ def flower_datasets_partition(labels, spec):
         order = np.random.default_rng(spec.seed).permutation(len(labels))
         partitioner = IidPartitioner(spec.num_partitions)
     elif spec.scheme == "dirichlet":
-        partitioner = DirichletPartitioner(spec.num_partitions, "label", spec.alpha, min_partition_size=4,
-                                           self_balancing=False, shuffle=True, seed=spec.seed)
+        partitioner = DirichletPartitioner(spec.num_partitions, "label", spec.alpha,
+                                           min_partition_size=MIN_PARTITION_SIZE, self_balancing=False,
+                                           shuffle=True, seed=spec.seed)
     else:
         partitioner = PathologicalPartitioner(spec.num_partitions, "label", spec.classes_per_client,
                                               class_assignment_mode="random", shuffle=True, seed=spec.seed)

@@ -88,6 +88,15 @@ def pfllib_pathological(
     return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
 
 
+def deal_class(holdings: list[list[np.ndarray]], sizes: np.ndarray, members: np.ndarray, shares: np.ndarray) -> None:
+    """One class of a Dirichlet split: ``members`` cut at the cumulative ``shares`` (summing to 1), the
+    i-th piece appended to client i's ``holdings`` and counted in its ``sizes``."""
+    cuts = (np.cumsum(shares) * len(members)).astype(int)[:-1]
+    for i, piece in enumerate(np.split(members, cuts)):
+        holdings[i].append(piece)
+        sizes[i] += len(piece)
+
+
 def capped_dirichlet(
     labels: np.ndarray, num_partitions: int, alpha: float, seed: int,
     min_size: int, min_classes: int = 1, max_attempts: int = PFLLIB_ATTEMPTS, keep_last: bool = False,
@@ -110,10 +119,7 @@ def capped_dirichlet(
         for members in by_class:
             members = rng.permutation(members)
             p = rng.dirichlet(np.full(num_partitions, alpha)) * (sizes < cap)
-            cuts = (np.cumsum(p / p.sum()) * len(members)).astype(int)[:-1]
-            for i, part in enumerate(np.split(members, cuts)):
-                holdings[i].append(part)
-                sizes[i] += len(part)
+            deal_class(holdings, sizes, members, p / p.sum())
         classes = [sum(len(part) > 0 for part in h) for h in holdings]
         met = sizes.min() >= min_size and min(classes) >= min_classes
         if met or attempt == max_attempts:
@@ -169,10 +175,7 @@ def dirichlet_balanced(labels: np.ndarray, num_partitions: int, alpha: float, se
             sizes = np.zeros(clients, dtype=np.int64)
             for members in members_of:
                 p = rng.dirichlet(np.full(clients, alpha)) * (sizes < share)
-                cuts = (np.cumsum(p / p.sum()) * len(members)).astype(int)[:-1]
-                for i, part in enumerate(np.split(members, cuts)):
-                    holdings[i].append(part)
-                    sizes[i] += len(part)
+                deal_class(holdings, sizes, members, p / p.sum())
             if sizes.min() >= int(0.5 * share):
                 break
         else:
@@ -251,15 +254,12 @@ def flower_dirichlet(labels: np.ndarray, num_partitions: int, alpha: float, seed
     rng = np.random.default_rng(seed)
     by_class = [np.flatnonzero(labels == k) for k in np.unique(labels)]
     for _ in range(FLOWER_DIRICHLET_ATTEMPTS):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        holdings: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        sizes = np.zeros(num_partitions, dtype=np.int64)
         for members in by_class:
-            shares = rng.dirichlet(np.full(num_partitions, alpha))
-            cuts = (np.cumsum(shares) * len(members)).astype(int)[:-1]
-            for part, piece in zip(parts, np.split(members, cuts)):
-                part.append(piece)
-        sizes = [sum(len(piece) for piece in part) for part in parts]
-        if min(sizes) >= MIN_PARTITION_SIZE:
-            return [np.concatenate(part) for part in parts]
+            deal_class(holdings, sizes, members, rng.dirichlet(np.full(num_partitions, alpha)))
+        if sizes.min() >= MIN_PARTITION_SIZE:
+            return [np.concatenate(h) for h in holdings]
     raise ValueError(
         f"could not build the 'dirichlet' partition of {len(labels)} samples into {num_partitions} clients "
         f"(no draw in {FLOWER_DIRICHLET_ATTEMPTS} gave every client {MIN_PARTITION_SIZE} samples); "
