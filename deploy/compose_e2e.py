@@ -50,18 +50,15 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_NODES = 2
 SERVICES = ["superlink", "superexec-serverapp", *(f"{kind}-{i}" for i in (1, 2)
                                                   for kind in ("supernode", "superexec-clientapp"))]
-# seconds a round waits for replies: a CPU round of the demo takes 6-17 s on a 2-core machine (the
-# first one up to ~25 s with the ClientApps' cold start); a SuperNode that died fails on its own
-# within 60 s (2 x its 30 s heartbeat), so a longer timeout would not end such a round sooner.
-# COMPOSE_E2E_ROUND_TIMEOUT raises it on a host that others load (at a load average of 25 on 2 cores a
-# ClientApp's first reply took 107 s)
-ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 60.0)
-# the demo's run config passes it, as `flwr run . docker --stream --run-config "round-timeout=60.0"`
-# (docker-compose.yml's header, docs/deployment/compose.md); flwr_run puts it before each run's keys
-# the runs that lose no node (the first run, the ServerApp fault's) wait for every ClientApp however
-# loaded the host is: under CI's slow suite (load average 13-22) a ClientApp's first reply came after the
-# 60 s, so the resumed run trained one partition of two, and the first run's discovery found no partition
-NO_FAULT_ROUND_TIMEOUT = max(ROUND_TIMEOUT, 300.0)
+# seconds a round waits for replies. The demo's own config says 60 (docker-compose.yml's header,
+# docs/deployment/compose.md): a CPU round of the demo takes 6-17 s on a 2-core machine, the first up to
+# ~25 s with the ClientApps' cold start. Here every run waits for every live ClientApp however loaded
+# the host is: under CI's slow suite (load average 13-22) a ClientApp's first reply came after 60 s,
+# and a run lost that partition's round (the node fault's survivor, the ServerApp fault's resumed run)
+# or found no partition at all (the first run). A SuperNode that died does not hold its round to this
+# timeout: Flower answers its message with an error within 60 s (2 x its 30 s heartbeat).
+# COMPOSE_E2E_ROUND_TIMEOUT sets another; flwr_run puts it before each run's keys
+ROUND_TIMEOUT = float(os.environ.get("COMPOSE_E2E_ROUND_TIMEOUT") or 300.0)
 RUNS = "/app/protofl-runs"  # the ServerApp's output-dir in superexec-serverapp (the results volume)
 
 
@@ -161,12 +158,11 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
     return value
 
 
-def flwr_run(home: Path, run_config: str, stream: bool = True, timeout: float = 900,
-             round_timeout: float = ROUND_TIMEOUT) -> str:
-    """A run of this checkout on the deployment with the demo's run config (``round_timeout`` its
-    round-timeout) and ``run_config``: streamed to its end by ``protofl run`` (which fails unless the
+def flwr_run(home: Path, run_config: str, stream: bool = True, timeout: float = 900) -> str:
+    """A run of this checkout on the deployment with the demo's run config (its round-timeout
+    ``ROUND_TIMEOUT``) and ``run_config``: streamed to its end by ``protofl run`` (which fails unless the
     run completed, naming why), or only submitted by ``flwr run``; its output (a failure ends the test)."""
-    args = [str(ROOT), "deployment", "--run-config", f"round-timeout={round_timeout} {run_config}"]
+    args = [str(ROOT), "deployment", "--run-config", f"round-timeout={ROUND_TIMEOUT} {run_config}"]
     done = native.protofl_run(home, args, timeout=timeout) if stream else native.flwr(home, ["run", *args],
                                                                                      timeout=timeout)
     if done.returncode != 0:
@@ -232,8 +228,7 @@ def unreachable_beyond_loopback(port: int) -> list[str]:
 
 
 def run(home: Path, name: str, compose: list[str], front: str = "message") -> None:
-    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}' flower-api='{front}'",
-             round_timeout=NO_FAULT_ROUND_TIMEOUT)
+    flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}' flower-api='{front}'")
     results = Deployment(compose).results(name)
     if results is None:
         sys.exit(f"{RUNS}/{name}/results.json is not in superexec-serverapp")
@@ -272,7 +267,7 @@ def node_fault(home: Path, deployment: Deployment) -> None:
     restarts = deployment.crash(node)
     killed_at = time.monotonic()
     back = deployment.wait_restarted(node, restarts)
-    results = deployment.wait_for_results(name, finished, rounds * 2 * ROUND_TIMEOUT, "the end")
+    results = deployment.wait_for_results(name, finished, rounds * ROUND_TIMEOUT, "the end")
     if results.get("stopped") or recorded(results) != list(range(1, rounds + 1)):
         sys.exit(f"{name} did not finish its {rounds} rounds: stopped={results.get('stopped')!r}, "
                  f"rounds {recorded(results)}")
@@ -298,7 +293,7 @@ def serverapp_fault(home: Path, deployment: Deployment) -> None:
     name, reference, rounds = "serverapp-fault", "uninterrupted", 4
     config = f"method='fedproto' num-server-rounds={rounds} checkpoint-every=1"
     started = time.monotonic()
-    flwr_run(home, f"{config} run-name='{name}'", stream=False, timeout=120, round_timeout=NO_FAULT_ROUND_TIMEOUT)
+    flwr_run(home, f"{config} run-name='{name}'", stream=False, timeout=120)
     checkpoint = f"{RUNS}/{name}/checkpoint.npz"
 
     def checkpointed(results: dict[str, Any]) -> bool:
@@ -317,12 +312,12 @@ def serverapp_fault(home: Path, deployment: Deployment) -> None:
         sys.exit(f"the re-created superexec-clientapp-1 holds no state of {name} in /app/client-state:\n"
                  f"{listed.stdout}{listed.stderr}")
     interrupted = time.monotonic()
-    output = flwr_run(home, f"{config} run-name='{name}' resume=true", round_timeout=NO_FAULT_ROUND_TIMEOUT)
+    output = flwr_run(home, f"{config} run-name='{name}' resume=true")
     resumed = deployment.results(name)
     if "resuming" not in output or not finished(resumed) or resumed.get("stopped"):
         sys.exit(f"{name} did not resume to its end (stopped={(resumed or {}).get('stopped')!r}):\n{output[-4000:]}")
     resumed_seconds = time.monotonic() - interrupted
-    flwr_run(home, f"{config} run-name='{reference}'", round_timeout=NO_FAULT_ROUND_TIMEOUT)
+    flwr_run(home, f"{config} run-name='{reference}'")
     whole = deployment.results(reference)
     got, want = rounds_without_timing(resumed), rounds_without_timing(whole)
     if not [r["round"] for r in got] == [r["round"] for r in want] == list(range(1, rounds + 1)):

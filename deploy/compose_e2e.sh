@@ -25,7 +25,7 @@
 #                  builds, with the canary deploy/build-ca-canary.pem, both removed afterwards).
 #   TORCH_INDEX_URL  where the app image's torch comes from (default PyTorch's CPU wheels; empty: PyPI).
 #   DEBIAN_MIRROR  for debootstrap (default http://deb.debian.org/debian).
-#   COMPOSE_E2E_ROUND_TIMEOUT  the runs' round-timeout in seconds (default 60; more on a loaded host).
+#   COMPOSE_E2E_ROUND_TIMEOUT  the runs' round-timeout in seconds (default 300, for a loaded host).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLOWER_IMAGES=${FLOWER_IMAGES:-protofl-local}

@@ -57,7 +57,7 @@ from protofl.strategies import build_method_model, get_method
 from protofl.task.data import DATASETS, ClientData, cached_on_disk, load_client_data, load_local_client_data
 from protofl.task.kept_models import kept_model, release_thread_models
 from protofl.task.models import client_architecture
-from protofl.task.precision import compute_description, get_device
+from protofl.task.precision import compute_description, get_device, set_thread_count
 from protofl.task.resources import ray_cpus
 
 
@@ -174,15 +174,16 @@ def release_worker_models(message: Message, context: Context,
 
 def use_threads(node_config: Mapping[str, Any]) -> None:
     """Torch's intra-op and inter-op threads: the node config's ``num-threads``, else in a Ray
-    simulation the CPUs of the actor (``client-resources-num-cpus``), else torch's default."""
+    simulation the CPUs of the actor (``client-resources-num-cpus``), else torch's count; set on
+    the thread that trains (:func:`~protofl.task.precision.set_thread_count`)."""
     if "num-threads" in node_config:
         threads = int(node_config["num-threads"])
         if threads < 1:
             raise ValueError(f"num-threads must be >= 1, got {threads}")
-    elif (threads := ray_cpus()) is None:
-        return
-    torch.set_num_threads(threads)
-    if torch.get_num_interop_threads() != threads:
+    else:
+        threads = ray_cpus()
+    set_thread_count(threads)
+    if threads is not None and torch.get_num_interop_threads() != threads:
         with contextlib.suppress(RuntimeError):  # settable once, before the first inter-op work
             torch.set_num_interop_threads(threads)
 

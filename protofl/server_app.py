@@ -25,7 +25,7 @@ from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, method_rule
 from protofl.task.data import load_dataset, load_global_test, partition_sizes
 from protofl.task.models import client_architecture, model_bytes
-from protofl.task.precision import compute_description, get_device
+from protofl.task.precision import compute_description, get_device, set_thread_count
 from protofl.tracking import Tracking
 
 
@@ -110,6 +110,7 @@ def build_strategy(settings: ExperimentSettings, deployment: bool = False,
     run (resumed from its checkpoint, when there is one), and that checkpoint. In a simulation (not
     ``deployment``) the clients share the server's disk: those without a ``state-dir`` keep their
     state in the run directory's ``client-state``."""
+    set_thread_count()  # on the thread the server computes on
     directory = settings.run_directory()
     tracking = Tracking.from_settings(settings.tracker, directory, settings.mlflow_uri)  # a missing extra fails here
     if front is None:

@@ -231,12 +231,12 @@ def test_bf16_training_on_concurrent_threads_gives_what_it_gives_alone():
             return cross_entropy(logits, labels) + cross_entropy(model.head(anchors), torch.arange(CLASSES))
 
         losses = [train(model, x, y, epochs=1, batch_size=8, lr=0.05, seed=e, amp="bf16", loss=head_twice)
-                  for e in range(3)]
+                  for e in range(2)]
         return losses, flat(model)
 
     alone = [run(seed) for seed in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        for _ in range(3):
+        for _ in range(2):
             together = list(pool.map(run, range(4)))
             for (losses, weights), (expected_losses, expected) in zip(together, alone):
                 assert losses == expected_losses and torch.equal(weights, expected)

@@ -27,6 +27,15 @@ AMPS = get_args(Amp)
 ChannelsLast = bool | Literal["auto"]
 
 
+def set_thread_count(threads: int | None = None) -> None:
+    """Torch's intra-op thread count set on the calling thread: ``threads``, else the count torch
+    has. A thread that has not set or read it yet can run its first matrix products on another team
+    than that count: a ServerApp thread after an earlier run in the process drew FedSA's anchors with
+    other last bits than the same run's on the main thread, though both ran at 1 thread
+    (tests/test_ray_cluster.py)."""
+    torch.set_num_threads(threads or torch.get_num_threads())
+
+
 def get_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
