@@ -33,11 +33,12 @@ from protofl.task.storage import NUMPY_HEADER_LOCK
 # vectors) and two with state of their own (SCAFFOLD's controls, FedNH's 0-d scale): what a test of a
 # template, such as a Flower front or the training worker, runs; a test of a method's math runs them all
 TEMPLATE_METHODS = ("fedavg", "fedper", "fml", "fedproto", "scaffold", "fednh")
-# CReFF's server work at its paper's size (100 features a class, 100 + 300 epochs a round) took 90 % of
-# a three-round run on digits in float64 (21 of 23 s): the runs that test a template, or a method's
-# records, take a tenth of it
-SMALL_CREFF = {"creff.features-per-class": 10, "creff.match-epochs": 10, "creff.retrain-epochs": 30,
-               "creff.gradient-repeats": 2}
+# The methods' options in the short runs that test a template, or record a method's rounds: CReFF's
+# server work at its paper's size (100 features a class, 100 + 300 epochs a round) took 90 % of a
+# three-round run on digits in float64 (21 of 23 s), these runs take a tenth of it; FedCDA aggregates
+# as FedAvg for its first 50 rounds, these runs select from round 2
+SHORT_RUN_OPTIONS = {"creff.features-per-class": 10, "creff.match-epochs": 10, "creff.retrain-epochs": 30,
+                     "creff.gradient-repeats": 2, "fedcda.warmup-rounds": 1}
 
 
 def methods_fast_for(*fast):

@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 from unittest import mock
 
-from inprocess import SMALL_CREFF, TEMPLATE_METHODS
+from inprocess import SHORT_RUN_OPTIONS, TEMPLATE_METHODS
 
 from protofl.report import rounds_without_timing
 
@@ -33,7 +33,7 @@ TESTS = Path(__file__).resolve().parent
 FIXTURE = TESTS / "fixtures" / "round_records.json"
 # no autocast (bfloat16 where a CPU has it natively) and NCHW: the computation is the same everywhere
 RUN = {"dataset": "digits", "num-server-rounds": 3, "local-epochs": 1, "global-test-pm-per-class": 10,
-       "amp": "off", "channels-last": False, **SMALL_CREFF}
+       "amp": "off", "channels-last": False, **SHORT_RUN_OPTIONS}
 NODES = 3
 # the template's switches on the server side (discovery, admission, aggregation, evaluation)
 TEMPLATE_SWITCHES = {

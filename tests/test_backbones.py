@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 from fakes import write_cifar
-from inprocess import SMALL_CREFF, run_in_process
+from inprocess import SHORT_RUN_OPTIONS, run_in_process
 
 from protofl.federation.wire import CLASS_COUNTS, CLASS_MEANS, TRAIN_LOSS
 from protofl.strategies import METHODS
@@ -64,7 +64,7 @@ def test_method_trains_two_rounds_on_backbone(method, model, cifar_dir, tmp_path
         "method": method, "model": model, "dataset": "cifar10", "data-dir": cifar_dir, "partition": "iid",
         "data-fraction": nodes / 10, "num-server-rounds": 2, "local-epochs": 1, "batch-size": 10, "lr": 0.005,
         "min-fit-clients": nodes,
-        "global-test-pm": False, "output-dir": str(tmp_path), "run-name": "run", **SMALL_CREFF,
+        "global-test-pm": False, "output-dir": str(tmp_path), "run-name": "run", **SHORT_RUN_OPTIONS,
     }
     strategy, messages = run_in_process(run_config, num_nodes=nodes)
     results = json.loads((tmp_path / "run" / "results.json").read_text())

@@ -234,6 +234,7 @@ CAPTURABLE = {  # (method, its options) -> whether its training step may be capt
     ("fedopt", ()): True,
     ("fedntd", ()): True,  # the not-true logits by a gather of fixed shape
     ("fedrcl", ()): False,  # its levels come from hooks on each message's model
+    ("fedcda", ()): True,  # FedAvg's step; the selection is the server's
     ("local", ()): True,
     ("fedper", ()): True,
     ("fedrep", ()): True,  # a step per phase (head, body)

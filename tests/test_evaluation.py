@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fakes import FakeProxy, start_round
 from flwr.common import ndarrays_to_parameters
-from inprocess import SMALL_CREFF, methods_fast_for, run_in_process
+from inprocess import SHORT_RUN_OPTIONS, methods_fast_for, run_in_process
 from test_resume import assert_same_rounds
 from test_server import C, D, make_strategy, proto_result
 
@@ -18,7 +18,7 @@ from protofl.strategies.fedproto import FedProtoStrategy
 
 # batch-size 32: a third of the default's steps; where the scores travel does not depend on it
 RUN = {"dataset": "digits", "num-server-rounds": 3, "local-epochs": 1, "global-test-pm": True,
-       "global-test-pm-per-class": 10, "batch-size": 32, **SMALL_CREFF}
+       "global-test-pm-per-class": 10, "batch-size": 32, **SHORT_RUN_OPTIONS}
 
 
 def kinds(messages):

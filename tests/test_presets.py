@@ -58,7 +58,7 @@ def test_no_preset_changes_the_screen():
 
 TABLES = {  # each seed paper's comparison table: its methods (baselines.md), in its order
     "fedskc-table1": ["fedavg", "fedprox", "scaffold", "fedopt", "moon", "fedproto", "fednh", "fedrcl", "fedskc"],
-    "fedsc-table1": ["fedavg", "fedprox", "moon", "fedntd", "fedproto", "fednh", "fedrcl", "fedsc"],
+    "fedsc-table1": ["fedavg", "fedprox", "moon", "fedntd", "fedproto", "fednh", "fedrcl", "fedcda", "fedsc"],
     "fednh-table1": ["local", "fedavg", "fedper", "ditto", "fedrep", "fedproto", "creff", "fedbabu", "fedrod", "fednh"],
     "fedsa-table1": ["lgfedavg", "fedgen", "fml", "fedkd", "feddistill", "fedproto", "fedtgp", "fedsa"],
     "fedsa-table2": ["lgfedavg", "fedgen", "fml", "fedkd", "feddistill", "fedproto", "fedtgp", "fedsa"],

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
-from inprocess import SMALL_CREFF, methods_fast_for, run_in_process
+from inprocess import SHORT_RUN_OPTIONS, methods_fast_for, run_in_process
 from native import kill_trees, pids_with_argument
 
 from protofl.federation.checkpoint import CHECKPOINT, Checkpoint, RunCheckpoints, open_run
@@ -35,7 +35,7 @@ from protofl.task import storage
 TESTS = Path(__file__).resolve().parent
 # batch-size 32: a third of the default's steps; what a resume must keep does not depend on it
 RUN = {"dataset": "digits", "num-server-rounds": 4, "local-epochs": 1, "fraction-fit": 0.5,
-       "global-test-pm-per-class": 10, "batch-size": 32, **SMALL_CREFF}
+       "global-test-pm-per-class": 10, "batch-size": 32, **SHORT_RUN_OPTIONS}
 
 
 def rounds_without_timing(directory: Path) -> list[dict]:  # all an interrupted and an uninterrupted run share

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from flwr.client import NumPyClient
-from inprocess import SMALL_CREFF, TEMPLATE_METHODS, run_in_process
+from inprocess import SHORT_RUN_OPTIONS, TEMPLATE_METHODS, run_in_process
 from test_capture import float32_on_cuda, gpu  # noqa: F401 (a fixture)
 
 from protofl import client_app
@@ -77,7 +77,7 @@ def test_a_capture_outside_any_work_goes_at_once_and_two_captures_take_turns():
     assert most == [1, 1, 1]
 
 
-RUN_CONFIG = {"dataset": "digits", "num-server-rounds": 2, "method": "fedproto", **SMALL_CREFF}
+RUN_CONFIG = {"dataset": "digits", "num-server-rounds": 2, "method": "fedproto", **SHORT_RUN_OPTIONS}
 
 
 def through_a_worker(monkeypatch, worker, settings, in_flight):

@@ -17,7 +17,7 @@ from protofl.task.data import ClientData, Dataset
 from protofl.task.models import SplitModel, build_model, client_architecture
 
 METHODS = ("fedavg", "fedproto", "fednh", "fedcosr", "fedsa", "fedsc", "fedskc",
-           "fedprox", "moon", "scaffold", "fedopt", "fedntd", "fedrcl",
+           "fedprox", "moon", "scaffold", "fedopt", "fedntd", "fedrcl", "fedcda",
            "local", "fedper", "fedrep", "fedbabu", "fedrod", "ditto", "creff",
            "lgfedavg", "feddistill", "fml", "fedkd", "fedgen", "fedtgp", "fedgh",
            "pfedme", "perfedavg", "fedamp", "fedala", "fedpac")
