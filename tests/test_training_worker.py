@@ -77,7 +77,7 @@ def test_a_capture_outside_any_work_goes_at_once_and_two_captures_take_turns():
     assert most == [1, 1, 1]
 
 
-RUN_CONFIG = {"dataset": "digits", "num-server-rounds": 2, "method": "fedproto", **SHORT_RUN_OPTIONS}
+RUN_CONFIG = {"dataset": "digits", "num-server-rounds": 2, "method": "fedproto", "batch-size": 32, **SHORT_RUN_OPTIONS}
 
 
 def through_a_worker(monkeypatch, worker, settings, in_flight):
