@@ -5,13 +5,11 @@ import json
 
 import numpy as np
 import pytest
-from fakes import OK, FakeProxy, start_round
-from flwr.common import FitRes, ndarrays_to_parameters, parameters_to_ndarrays
+from fakes import start_round
+from flwr.common import parameters_to_ndarrays
+from test_baselines import assert_moved, reply, shifted, strategy_for
 
-from protofl.settings import ExperimentSettings
-from protofl.strategies import build_method_model, get_method
 from protofl.strategies.fedcda import best_combination
-from protofl.task.data import load_dataset
 
 
 def test_the_smoothness_weighs_the_divergence_against_the_loss():
@@ -35,37 +33,19 @@ def test_a_batch_tries_every_combination_of_its_clients_cached_models():
     assert choice == (0, 2) and objective == pytest.approx(0.5 + 0.1875, rel=1e-12)
 
 
-def strategy_for(tmp_path, **options):
-    config = ExperimentSettings(method="fedcda", output_dir=str(tmp_path), run_name="run", options=options)
-    return get_method("fedcda")[0](config, build_method_model(config, load_dataset("digits")), 10)
-
-
-def reply(pid, parameters, num_examples, loss=1.0):
-    metrics = {"partition-id": pid, "train-loss": loss}
-    return FakeProxy(str(100 + pid)), FitRes(OK, ndarrays_to_parameters(parameters), num_examples, metrics)
-
-
-def shifted(arrays, by):
-    return [(a + by).astype(a.dtype) for a in arrays]
-
-
-def moved_by(new, old):
-    return {float(np.round(np.mean(n.astype(np.float64) - o), 4)) for n, o in zip(new, old)}
-
-
 def test_fedavg_in_the_warmup_then_each_client_selects_the_cached_model_nearest_the_others(tmp_path):
-    strategy = strategy_for(tmp_path, **{"warmup-rounds": 1, "cache-size": 2, "weighted": False})
+    strategy = strategy_for("fedcda", tmp_path, {"warmup-rounds": 1, "cache-size": 2, "weighted": False})
     x = strategy.shared_weights()
     start_round(strategy, [0, 1])
     # round 1, the warm-up: the plain mean of 0 and 1
-    assert moved_by(parameters_to_ndarrays(strategy.aggregate_fit(1, [reply(0, x, 10), reply(1, shifted(x, 1.0), 30)],
-                                                                  [])[0]), x) == {0.5}
+    assert_moved(parameters_to_ndarrays(strategy.aggregate_fit(1, [reply(0, x, 10), reply(1, shifted(x, 1.0), 30)],
+                                                               [])[0]), x, 0.5)
     # round 2: caches {0, 4} and {1, 9}, equal losses: the older models are the nearest pair, and the
     # global model is their mean
     strategy.admission.sent_parameters = x
     new, metrics = strategy.aggregate_fit(2, [reply(0, shifted(x, 4.0), 10), reply(1, shifted(x, 9.0), 30)], [])
-    assert metrics["accepted"] == 2 and moved_by(parameters_to_ndarrays(new), x) == {0.5}
-    assert strategy.selected == {0: 0, 1: 0}
+    assert metrics["accepted"] == 2 and strategy.selected == {0: 0, 1: 0}
+    assert_moved(parameters_to_ndarrays(new), x, 0.5)
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][1]
     entries = sum(a.size for a, trained in zip(x, strategy.trained_entries) if trained)
     assert record["cda_older_selected"] == 2
@@ -75,30 +55,35 @@ def test_fedavg_in_the_warmup_then_each_client_selects_the_cached_model_nearest_
     # it than 9 is; the mean over both clients' selections: (0 + 2) / 2
     start_round(strategy, [1], num_partitions=2)
     new, _ = strategy.aggregate_fit(3, [reply(1, shifted(x, 2.0), 30)], [])
-    assert moved_by(parameters_to_ndarrays(new), x) == {1.0} and strategy.selected == {0: 0, 1: 1}
+    assert strategy.selected == {0: 0, 1: 1}
+    assert_moved(parameters_to_ndarrays(new), x, 1.0)
 
 
 def two_rounds_at_a_small_smoothness(tmp_path, first_loss, second_loss):
     """Round 1 (the warm-up): both clients send the initial model with ``first_loss``; round 2: they
-    send it moved by 4 and 8 with ``second_loss``. Returns (strategy, round 2's global model moved by, metrics)."""
-    strategy = strategy_for(tmp_path, **{"warmup-rounds": 1, "cache-size": 2, "smoothness": 1e-6})
+    send it moved by 4 and 8 with ``second_loss``. Returns (strategy, the initial model, round 2's
+    global model, its metrics)."""
+    strategy = strategy_for("fedcda", tmp_path, {"warmup-rounds": 1, "cache-size": 2, "smoothness": 1e-6})
     x = strategy.shared_weights()
     start_round(strategy, [0, 1])
-    strategy.aggregate_fit(1, [reply(0, x, 10, loss=first_loss), reply(1, x, 10, loss=first_loss)], [])
-    new, metrics = strategy.aggregate_fit(2, [reply(0, shifted(x, 4.0), 10, loss=second_loss),
-                                              reply(1, shifted(x, 8.0), 10, loss=second_loss)], [])
-    return strategy, moved_by(parameters_to_ndarrays(new), x), metrics
+    strategy.aggregate_fit(1, [reply(0, x, 10, **{"train-loss": first_loss}),
+                               reply(1, x, 10, **{"train-loss": first_loss})], [])
+    new, metrics = strategy.aggregate_fit(2, [reply(0, shifted(x, 4.0), 10, **{"train-loss": second_loss}),
+                                              reply(1, shifted(x, 8.0), 10, **{"train-loss": second_loss})], [])
+    return strategy, x, parameters_to_ndarrays(new), metrics
 
 
 def test_a_lower_loss_outweighs_a_small_divergence_at_a_small_smoothness(tmp_path):
-    strategy, moved, _ = two_rounds_at_a_small_smoothness(tmp_path, 2.0, 0.5)
-    assert strategy.selected == {0: 1, 1: 1} and moved == {6.0}
+    strategy, x, new, _ = two_rounds_at_a_small_smoothness(tmp_path, 2.0, 0.5)
+    assert strategy.selected == {0: 1, 1: 1}
+    assert_moved(new, x, 6.0)
 
 
 def test_a_loss_claimed_near_the_float_limit_makes_those_models_the_least_chosen(tmp_path):
     # a client's loss is its own claim: 1e308 (finite, admitted) times its training size overflows a
     # float64; the round goes on, each client's model with the loss it can stand behind is selected
-    strategy, moved, metrics = two_rounds_at_a_small_smoothness(tmp_path, 0.5, 1e308)
-    assert metrics["accepted"] == 2 and strategy.selected == {0: 0, 1: 0} and moved == {0.0}
+    strategy, x, new, metrics = two_rounds_at_a_small_smoothness(tmp_path, 0.5, 1e308)
+    assert metrics["accepted"] == 2 and strategy.selected == {0: 0, 1: 0}
+    assert_moved(new, x, 0.0)
     record = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"][1]
     assert np.isfinite(record["cda_objective"])

@@ -37,9 +37,8 @@ import numpy as np
 
 from protofl.federation.admission import ClientUpdate
 from protofl.federation.client import PrototypeClient
-from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import TRAIN_LOSS
-from protofl.strategies.families.averaging import GlobalModelAveraging
+from protofl.strategies.families.averaging import AveragingStrategy, GlobalModelAveraging
 from protofl.task.sampling import server_seed
 
 MAX_BATCH = 6  # clients a batch tries together: K^6 = 729 combinations at K = 3
@@ -89,7 +88,7 @@ def best_combination(fixed_sum: np.ndarray, fixed_weight: float, fixed_constant:
     return tuple(int(i) for i in combos[best]), float(objective[best])
 
 
-class FedCDAStrategy(ServerRule):
+class FedCDAStrategy(AveragingStrategy):
     options_class = FedCDAOptions
     state_fields = ("cached_models", "cached_losses", "training_sizes", "selected")
 
@@ -110,7 +109,7 @@ class FedCDAStrategy(ServerRule):
         clients = [u.partition_id for u in updates]
         if server_round <= o.warmup_rounds:  # FedAvg's, each client's latest model selected
             self.selected |= {p: len(self.cached_models[p]) - 1 for p in clients}
-            return self.average_parameters(updates, None if o.weighted else [1] * len(updates))
+            return super().aggregate_updates(server_round, updates)
         self.select(server_round, clients)
         chosen = sorted(self.selected)
         models = [self.cached_models[p][self.selected[p]] for p in chosen]
