@@ -55,7 +55,8 @@ tolerances.
 
 Where HtFLlib's code does not do what it means to (tests/conformance/htfllib_heads.py), ours is
 compared with what it computes and the difference is stated: their FedTGP client uploads the
-prototypes of the model the round started from (ours: the trained model's, far from theirs); their
+prototypes of the model the round started from (ours by default: the trained model's, far from
+theirs; ``fedtgp.prototype-model = "round-start"`` uploads theirs); their
 FedGen server never saves the generator it trains (each round trains the initial one again and the
 clients use the initial one; ours keeps it), so only one ``train_generator`` call is compared.
 """
@@ -502,6 +503,25 @@ def test_fedtgp_client_fit_equals_clientTGP_train(tmp_path):
     expected = np.stack([features[given["y"] == c].mean(axis=0) for c in range(NUM_CLASSES)])
     assert_matches(means, expected, "the uploaded prototypes (their trained body's class means)",
                    **float32_roundings(1, float(np.abs(expected).max())))
+
+
+def test_fedtgp_client_in_htfllibs_form_uploads_clientTGPs_prototypes(tmp_path):
+    """``prototype-model = "round-start"``: FedTGPClient.fit trains as above and uploads the class
+    means of an eval pass of the body it started the round from: their upload (float32), the trained
+    body's far from it."""
+    fixture = load_fixture("htfllib-fedtgp-client")
+    given, theirs = fixture.inputs, fixture.outputs
+    sent = ClassVectors(given["global_prototypes"].astype(np.float32), np.ones(NUM_CLASSES, bool))
+    tolerance = float32_roundings(1, float(np.abs(theirs["prototypes"]).max()))
+    uploaded = {}
+    for form in ("round-start", "trained"):
+        client, _, metrics = _client_fit("fedtgp", given, tmp_path / form,
+                                         {"lambda": float(given["lamda"]), "prototype-model": form}, [],
+                                         sent.to_config(GLOBAL_PROTOTYPES))
+        uploaded[form] = _uploaded(metrics, CLASS_MEANS)
+    _assert_trained_client(client, given, theirs)  # the form changes what goes up, not the training
+    assert_matches(uploaded["round-start"], theirs["prototypes"], "the uploaded prototypes", **tolerance)
+    assert np.abs(uploaded["trained"] - theirs["prototypes"]).max() > 1e3 * tolerance["atol"]
 
 
 # --- FedDistill ---------------------------------------------------------------------------------

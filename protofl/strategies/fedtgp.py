@@ -17,9 +17,11 @@ class's G_c then goes out as the global prototypes. Defaults: FedSA's scripts (l
 epochs, threshold 100, lr 0.01).
 
 HtFLlib's code (e959261) differs in three places: its client collects the prototypes it uploads from
-the model the round started with (it reads the saved model before saving the trained one), and over
-the full batches only; its server trains at the clients' learning rate (``server-lr`` here, equal in
-FedSA's scripts). protofl uploads the trained model's prototypes of the whole training split.
+the model the round started with (it reads the saved model before saving the trained one;
+``prototype-model = "round-start"`` here, an eval pass before training), and over the full batches
+only; its server trains at the clients' learning rate (``server-lr`` here, equal in FedSA's
+scripts). protofl's default uploads the trained model's prototypes (the paper's Algorithm 1) of the
+whole training split.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 
 from protofl.federation.admission import ClientUpdate, stacked_statistics
 from protofl.federation.server_rule import ServerRule
-from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassVectors
+from protofl.federation.wire import GLOBAL_PROTOTYPES, ClassStatistics, ClassVectors
 from protofl.settings import KeptModel, MethodOptions
 from protofl.strategies.families.class_vectors import PrototypeLossClient
 from protofl.task.prototypes import aggregate_prototypes, prototype_pairs
@@ -50,6 +52,7 @@ class FedTGPOptions(MethodOptions):
     server_lr: float = 0.01
     margin_threshold: float = 100.0
     inference: Literal["prototype", "head"] = "prototype"
+    prototype_model: Literal["trained", "round-start"] = "trained"
 
     capturable: ClassVar[bool] = True  # FedProto's loss
 
@@ -143,6 +146,16 @@ class FedTGPStrategy(ServerRule):
 
 class FedTGPClient(PrototypeLossClient):
     options_class = FedTGPOptions
+
+    def local_training(self, this_round):
+        # HtFLlib's form: the uploaded prototypes are of the model the round started from
+        self.round_start_prototypes = self.local_prototypes() if self.options.prototype_model == "round-start" else None
+        return super().local_training(this_round)
+
+    def local_statistics(self, seen):
+        if self.round_start_prototypes is None:
+            return super().local_statistics(seen)
+        return ClassStatistics(self.round_start_prototypes, self.data.class_counts())
 
 
 STRATEGY, CLIENT = FedTGPStrategy, FedTGPClient
