@@ -1,8 +1,11 @@
 """Real SuperLink, SuperNode and SuperExec processes, started with docker-compose.yml's own command
 lines (deploy/compose_e2e.sh runs them in Docker), each in its own directory and Flower home, then
-`flwr run` of a 2-round FedProto run on digits (and of SCAFFOLD, whose clients upload named arrays
-and keep control variates). Loopback only, except for the network-namespace test, whose
-addresses live on a bridge it creates and removes. Every process is killed by process group.
+`flwr run` of a 2-round FedProto run on digits (on the insecure federation: SCAFFOLD, whose clients
+upload named arrays and keep control variates, on the legacy Flower front). Loopback only, except
+for the network-namespace test, whose addresses live on a bridge it creates and removes. Every
+process is killed by process group. A FedProto run across processes gives the rounds of the same run
+in one process: tests/test_edge.py (through the edge) and tests/test_deployment_resume.py (after its
+faults) check it.
 """
 
 import http.client
@@ -28,7 +31,7 @@ NUM_NODES = 2
 RUN_TIMEOUT = 420
 
 
-def _run_fedproto(tmp_path, cli_home, name, extra="", method="fedproto"):
+def _run(tmp_path, cli_home, name, extra="", method="fedproto"):
     run_config = f"method='{method}' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'{extra}"
     run = native.protofl_run(cli_home, [str(ROOT), "deployment", "--run-config", run_config], timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]  # a remote run that completed
@@ -54,10 +57,10 @@ TRACKERS = all(importlib.util.find_spec(module) for module in ("tensorboard", "m
 
 @pytest.fixture(scope="module")
 def insecure(tmp_path_factory):
-    """The insecure federation of the compose demo and a 2-round FedProto run on it, tracked with
-    TensorBoard and MLflow where the test extra installed them, then a 2-round SCAFFOLD run on the
-    legacy Flower front; its processes stopped afterwards. Three tests read it: what the runs learnt
-    and kept, and what the ServerApp tracked."""
+    """The insecure federation of the compose demo and a 2-round SCAFFOLD run on it on the legacy
+    Flower front (the other tests run the Message API's), tracked with TensorBoard and MLflow where
+    the test extra installed them; its processes stopped afterwards. Two tests read it: what the
+    run learnt and kept, and what the ServerApp tracked."""
     tmp = tmp_path_factory.mktemp("insecure")
     started = native.NativeDeployment(tmp / "services", native.environment(), credentials=tmp / "credentials")
     try:
@@ -65,8 +68,8 @@ def insecure(tmp_path_factory):
         nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
         native.start_federation(started, native.load_compose(), link, nodes)
         cli_home = native.cli_home(tmp / "cli-home", f"{link[0]}:{link[1]}")
-        results = _run_fedproto(tmp, cli_home, "insecure", " tracker='tensorboard,mlflow'" if TRACKERS else "")
-        _run_fedproto(tmp, cli_home, "scaffold", " flower-api='legacy'", method="scaffold")  # the other front
+        trackers = " tracker='tensorboard,mlflow'" if TRACKERS else ""
+        results = _run(tmp, cli_home, "scaffold", f" flower-api='legacy'{trackers}", method="scaffold")
     finally:
         _stop(started)
     return {"tmp": tmp, "services": started.workdir, "results": results}
@@ -85,39 +88,30 @@ def in_one_process(method, tmp_path):
     return tmp_path / "direct"
 
 
-def test_insecure_deployment_runs_fedproto(tmp_path, insecure):
-    results = insecure["results"]
-    native.check_fedproto_results(results, NUM_NODES)
-    for i in range(1, NUM_NODES + 1):  # each node kept its data for the next message's process
-        home = insecure["services"] / f"superexec-clientapp-{i}"
-        assert len(list((home / ".cache" / "protofl").glob("client-data-*.npz"))) == 1
-
-    # the app is unchanged between the paths: the same run in one process gives the same rounds, every
-    # number exactly (a Ray simulation gives the in-process numbers too: test_resume's flwr run kill
-    # test, FedSA's)
-    assert_same_rounds(insecure["tmp"] / "insecure", in_one_process("fedproto", tmp_path))
-
-
 def test_a_deployment_carries_named_uploads_broadcasts_and_client_state(tmp_path, insecure):
     """SCAFFOLD across processes on the legacy Flower front: the server's control variate down, each
     client's Delta c up (named arrays), c_i kept on the node between rounds: the rounds of the run in
-    one process on the Message API, exactly."""
-    results = json.loads((insecure["tmp"] / "scaffold" / "results.json").read_text())
+    one process on the Message API, every number exactly (the app is unchanged between the paths; a
+    Ray simulation gives the in-process numbers too: test_resume's flwr run kill test, FedSA's)."""
+    results = insecure["results"]
     assert [r["clients"] for r in results["rounds"]] == [list(range(NUM_NODES))] * 2
     assert not any(r["dropped"] for r in results["rounds"])
+    for i in range(1, NUM_NODES + 1):  # each node kept its data for the next message's process
+        home = insecure["services"] / f"superexec-clientapp-{i}"
+        assert len(list((home / ".cache" / "protofl").glob("client-data-*.npz"))) == 1
     assert_same_rounds(insecure["tmp"] / "scaffold", in_one_process("scaffold", tmp_path))
 
 
 def test_a_deployments_serverapp_tracks_the_run(insecure):
     """The ServerApp that a SuperExec starts writes the trackers, as in simulation (the insecure
-    run's TensorBoard events and MLflow metrics, read back through their own readers)."""
+    federation's run's TensorBoard events and MLflow metrics, read back through their own readers)."""
     if not TRACKERS:
         pytest.skip("the test extra installs tensorboard and mlflow-skinny")
     from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
 
     results = insecure["results"]
     want = expected_points(results)
-    assert_same_points(tensorboard_scalars(insecure["tmp"] / "insecure" / "tensorboard"), want)
+    assert_same_points(tensorboard_scalars(insecure["tmp"] / "scaffold" / "tensorboard"), want)
     assert_same_points(mlflow_metrics(results), want)
 
 
@@ -144,7 +138,7 @@ def test_tls_with_supernode_auth_refuses_an_unregistered_node(tmp_path, deployme
     assert refused.wait(timeout=120) != 0, deployment.log("stranger")
     assert "Failed to activate SuperNode" in deployment.log("stranger")
 
-    results = _run_fedproto(tmp_path, cli_home, "tls")
+    results = _run(tmp_path, cli_home, "tls")
     native.check_fedproto_results(results, NUM_NODES)  # the two registered nodes, and only they, trained
     for i in range(1, NUM_NODES + 1):
         assert deployment.processes[f"supernode-{i}"].poll() is None  # still serving
@@ -255,7 +249,7 @@ def test_supernodes_in_their_own_network_namespaces(tmp_path, network, deploymen
     nodes = [("127.0.0.1", 9094, ns) for ns in network.namespaces]
     before = [network.traffic_bytes(veth) for veth in network.veths]
     native.start_federation(deployment, compose, link, nodes)
-    results = _run_fedproto(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "netns")
+    results = _run(tmp_path, native.cli_home(tmp_path / "cli-home", f"{link[0]}:{link[1]}"), "netns")
     native.check_fedproto_results(results, NUM_NODES)
     for veth, start in zip(network.veths, before):
         crossed = network.traffic_bytes(veth) - start
