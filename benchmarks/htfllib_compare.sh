@@ -7,6 +7,15 @@
 # (FedSA's scripts' values, docs/results/fedsa-table.md), e.g.
 #   METHOD=lgfedavg ALGO=LG-FedAvg ALGO_FLAGS=          METHOD=local ALGO=Local ALGO_FLAGS=
 #   METHOD=fedproto ALGO=FedProto ALGO_FLAGS="-lam 10"  (the default)
+#   METHOD=fedgh ALGO=FedGH ALGO_FLAGS="-slr 0.01 -se 1"
+# HtFLlib's own defaults are not its scripts' (its -se is 100 server epochs, FedGH's scripts run 1):
+# give every flag the scripts give.
+# PFLlib (TsingZ0/PFLlib, HtFLlib's parent: the same main.py flags, data files and server hooks) runs
+# the same way with REFERENCE=PFLlib, HTFLLIB a PFLlib checkout, and its table's setting, e.g.
+# FedCoSR's Table II (20 clients, all every round, PFLlib's CNN):
+#   REFERENCE=PFLlib HTFLLIB=<PFLlib checkout> PRESET=presets/fmnist-fedcosr-table2.toml
+#   NAME=FMNIST-fedcosr-table2 FAMILY=CNN CLIENTS=20 JOIN=1.0 MIN_CLIENTS=20 ROUNDS=20
+#   METHOD=fedavg ALGO=FedAvg ALGO_FLAGS=
 #
 # From the project root, on a CPU (each run ~1.5-3 min on 2 cores):
 #   HTFLLIB=<HtFLlib checkout> OUT=<folder> bash benchmarks/htfllib_compare.sh
@@ -45,12 +54,17 @@ OUT=${OUT:-/tmp/htfllib-$METHOD}
 SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-data htfl pro report}
 FAMILY=${FAMILY:-HtFE-img-2}        # HtFLlib's -m for the preset's model='htfe2'
+REFERENCE=${REFERENCE:-HtFLlib}     # the reference's name in the report (HtFLlib or PFLlib)
+CLIENTS=${CLIENTS:-10}              # the preset's num-supernodes, -nc
+JOIN=${JOIN:-0.5}                   # the preset's fraction-fit, -jr
+MIN_CLIENTS=${MIN_CLIENTS:-5}       # the preset's min-fit-clients
+LR=${LR:-0.01}                      # the preset's lr, -lr
 ROUNDS=${ROUNDS:-8}
 PRO_EXTRA=${PRO_EXTRA:-}            # more run-config overrides for every protofl run
 PRO_VARIANTS=${PRO_VARIANTS:-}
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=${FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION:-1}
 mkdir -p "$OUT/htfllib" "$OUT/protofl"
-HTFL_ARGS="-data $NAME -m $FAMILY -algo $ALGO -gr $ROUNDS -jr 0.5 -nc 10 -ncl 10 -fd 512 -lbs 10 -lr 0.01 $ALGO_FLAGS -ls 1 -eg 1 -dev cpu"
+HTFL_ARGS="-data $NAME -m $FAMILY -algo $ALGO -gr $ROUNDS -jr $JOIN -nc $CLIENTS -ncl 10 -fd 512 -lbs 10 -lr $LR $ALGO_FLAGS -ls 1 -eg 1 -dev cpu"
 
 run_data() {
   python benchmarks/pfllib_data.py --preset "$PRESET" --run-config "method='$METHOD' $PRO_EXTRA" \
@@ -61,8 +75,8 @@ run_htfl() {
   for s in $SEEDS; do
     local t0=$SECONDS
     python benchmarks/htfllib_run.py --htfllib "$HTFLLIB" --work "$OUT" --out "$OUT/htfllib/seed-$s.json" \
-      --replay-seed "$s" --fraction 0.5 --min-clients 5 -- $HTFL_ARGS -go "seed$s" > "$OUT/htfllib/seed-$s.log" 2>&1
-    echo "HtFLlib seed $s: exit $?, $((SECONDS - t0)) s; $(grep -c '^Averaged Test Accuracy' "$OUT/htfllib/seed-$s.log") evaluations"
+      --replay-seed "$s" --fraction "$JOIN" --min-clients "$MIN_CLIENTS" -- $HTFL_ARGS -go "seed$s" > "$OUT/htfllib/seed-$s.log" 2>&1
+    echo "$REFERENCE seed $s: exit $?, $((SECONDS - t0)) s; $(grep -c '^Averaged Test Accuracy' "$OUT/htfllib/seed-$s.log") evaluations"
   done
 }
 
@@ -78,23 +92,23 @@ run_pro() {
 }
 
 run_report() {
-  python - "$OUT" "$SEEDS" "$HTFLLIB" "$ROUNDS" "$ALGO" > "$OUT/htfllib.md" <<'EOF'
+  python - "$OUT" "$SEEDS" "$HTFLLIB" "$ROUNDS" "$ALGO" "$REFERENCE" "$CLIENTS" > "$OUT/htfllib.md" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 import numpy as np
 out, seeds, htfllib, rounds = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split()], sys.argv[3], int(sys.argv[4])
-algo = sys.argv[5]
+algo, ref, clients = sys.argv[5], sys.argv[6], int(sys.argv[7])
 commit = subprocess.run(["git", "-C", htfllib, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 curves, notes = {}, []  # label -> seed -> {"w": [...], "m": [...], "std": [...]} for rounds 1..rounds
 for s in seeds:
     path = out / "htfllib" / f"seed-{s}.json"
     if not path.exists():
-        notes.append(f"HtFLlib seed {s}: no scores"); continue
+        notes.append(f"{ref} seed {s}: no scores"); continue
     h = json.loads(path.read_text())
     ev = {e["trained_rounds"]: e for e in h["evaluations"]}
-    curves.setdefault("HtFLlib", {})[s] = {k: [ev[r][f] if r in ev else None for r in range(1, rounds + 1)]
+    curves.setdefault(ref, {})[s] = {k: [ev[r][f] if r in ev else None for r in range(1, rounds + 1)]
                                           for k, f in (("w", "accuracy"), ("m", "mean"), ("std", "std"))}
-    curves["HtFLlib"][s]["selected"] = h["selected"][:rounds]
+    curves[ref][s]["selected"] = h["selected"][:rounds]
 for label_dir in sorted(p for p in (out / "protofl").iterdir() if p.is_dir()):
     for s in seeds:
         path = label_dir / f"seed-{s}" / "results.json"
@@ -109,16 +123,16 @@ for label_dir in sorted(p for p in (out / "protofl").iterdir() if p.is_dir()):
               ("head", "personalized_accuracy_head"))}
         c["selected"] = [get(r, "clients") for r in range(1, rounds + 1)]
         curves.setdefault(f"protofl {label_dir.name}", {})[s] = c
-        h = curves.get("HtFLlib", {}).get(s)
+        h = curves.get(ref, {}).get(s)
         if h and h["selected"] != c["selected"]:
-            notes.append(f"seed {s}: HtFLlib's clients {h['selected']} differ from protofl {label_dir.name}'s {c['selected']}")
+            notes.append(f"seed {s}: {ref}'s clients {h['selected']} differ from protofl {label_dir.name}'s {c['selected']}")
 pct = lambda v: "–" if v is None else f"{100 * v:.1f}"
 def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
-print(f"# {algo} per round: HtFLlib {commit} against protofl, {out}\n")
-print("Accuracy over all 10 clients after each round, in %: sample-weighted (sum correct / sum tested; "
-      "HtFLlib's \"Averaged Test Accuracy\", protofl's PM) and, in brackets, the unweighted mean of the "
+print(f"# {algo} per round: {ref} {commit} against protofl, {out}\n")
+print(f"Accuracy over all {clients} clients after each round, in %: sample-weighted (sum correct / sum tested; "
+      f"{ref}'s \"Averaged Test Accuracy\", protofl's PM) and, in brackets, the unweighted mean of the "
       "clients' accuracies. Best and final: of the sample-weighted curve.\n")
 labels = list(curves)
 print("| side | seed | " + " | ".join(f"r{r}" for r in range(1, rounds + 1)) + " | best | final |")

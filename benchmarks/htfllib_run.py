@@ -14,7 +14,11 @@ does around it, each outside HtFLlib's files:
 - Stand-ins for modules main.py imports and FedProto never uses: ``h5py`` (its ``save_results``
   writes no .h5 file here; ``average_data``, which reads them back, is skipped), ``calmsize`` (its
   memory report, skipped), the three FedKTL servers (stylegan, stable diffusion) and the two FedL2G
-  servers (``higher``).
+  servers (``higher``), and, where it is not installed, ``cvxpy`` (PFLlib's FedPAC's solver).
+
+PFLlib (TsingZ0/PFLlib, HtFLlib's parent) has the same ``system/`` layout, data files, flags and
+server hooks: ``--htfllib`` may be a PFLlib checkout. Its CNN for a data set named ``*MNIST*`` is
+already the 1 x 28 x 28 one.
 - Inputs other than 3 x 32 x 32 (Fashion-MNIST's 1 x 28 x 28): HtFLlib's image families name
   ``FedAvgCNN(in_features=3, ..., dim=1600)`` and torchvision models with a 3-channel stem. The CNN
   is built with the data's channels and flattened size (1 and 1024), and torchvision's ResNets get a
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         stub(f"flcore.servers.{name}", FedKTL=None)
     for name in ("serverl2g_feat", "serverl2g_logit"):
         stub(f"flcore.servers.{name}", FedL2G=None)
+    try:  # PFLlib's FedPAC solves with cvxpy; main.py imports it for every method
+        import cvxpy  # noqa: F401
+    except ImportError:
+        stub("cvxpy")
 
     from flcore.servers import serverbase
     from utils import mem_utils, result_utils
