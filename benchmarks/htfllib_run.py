@@ -15,10 +15,6 @@ does around it, each outside HtFLlib's files:
   writes no .h5 file here; ``average_data``, which reads them back, is skipped), ``calmsize`` (its
   memory report, skipped), the three FedKTL servers (stylegan, stable diffusion) and the two FedL2G
   servers (``higher``), and, where it is not installed, ``cvxpy`` (PFLlib's FedPAC's solver).
-
-PFLlib (TsingZ0/PFLlib, HtFLlib's parent) has the same ``system/`` layout, data files, flags and
-server hooks: ``--htfllib`` may be a PFLlib checkout. Its CNN for a data set named ``*MNIST*`` is
-already the 1 x 28 x 28 one.
 - Inputs other than 3 x 32 x 32 (Fashion-MNIST's 1 x 28 x 28): HtFLlib's image families name
   ``FedAvgCNN(in_features=3, ..., dim=1600)`` and torchvision models with a 3-channel stem. The CNN
   is built with the data's channels and flattened size (1 and 1024), and torchvision's ResNets get a
@@ -29,6 +25,10 @@ already the 1 x 28 x 28 one.
   (``protofl.task.sampling.sample_partitions`` with ``--fraction``, ``--min-clients`` and seed S;
   HtFLlib's round i = protofl's round i + 1); ``--numpy-seed S`` seeds HtFLlib's own unseeded
   ``np.random.choice`` instead. HtFLlib's models start from ``torch.manual_seed(0)`` whatever the seed.
+
+PFLlib (TsingZ0/PFLlib, HtFLlib's parent) has the same ``system/`` layout, data files, flags and
+server hooks: ``--htfllib`` may be a PFLlib checkout. Its CNN for a data set named ``*MNIST*`` is
+already the 1 x 28 x 28 one.
 
 ``--out``: JSON with every evaluation HtFLlib makes (``evaluate()`` at the start of each round, over
 all clients, before that round's training: evaluation k scores the models and global prototypes

@@ -518,8 +518,8 @@ def test_fedtgp_client_in_htfllibs_form_uploads_clientTGPs_prototypes(tmp_path):
         client, _, metrics = _client_fit("fedtgp", given, tmp_path / form,
                                          {"lambda": float(given["lamda"]), "prototype-model": form}, [],
                                          sent.to_config(GLOBAL_PROTOTYPES))
+        _assert_trained_client(client, given, theirs)  # the form changes what goes up, not the training
         uploaded[form] = _uploaded(metrics, CLASS_MEANS)
-    _assert_trained_client(client, given, theirs)  # the form changes what goes up, not the training
     assert_matches(uploaded["round-start"], theirs["prototypes"], "the uploaded prototypes", **tolerance)
     assert np.abs(uploaded["trained"] - theirs["prototypes"]).max() > 1e3 * tolerance["atol"]
 

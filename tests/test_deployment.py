@@ -104,7 +104,9 @@ def test_a_deployment_carries_named_uploads_broadcasts_and_client_state(tmp_path
 
 def test_a_deployments_serverapp_tracks_the_run(insecure):
     """The ServerApp that a SuperExec starts writes the trackers, as in simulation (the insecure
-    federation's run's TensorBoard events and MLflow metrics, read back through their own readers)."""
+    federation's run's TensorBoard events and MLflow metrics, read back through their own readers).
+    That run is on the legacy front; the trackers take the server's round records, which both fronts
+    give alike, and tests/test_tracking.py tracks the Message API's runs in one process."""
     if not TRACKERS:
         pytest.skip("the test extra installs tensorboard and mlflow-skinny")
     from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
