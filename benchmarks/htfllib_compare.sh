@@ -28,13 +28,14 @@
 #           (HtFLlib's loaders do not shuffle; PFLlib's generated files come shuffled)
 #   htfl    HtFLlib's system/main.py through benchmarks/htfllib_run.py (see its docstring for what it
 #           sets around HtFLlib: torch.load's weights_only, stand-ins for unused imports, the
-#           grey-scale CNN / ResNet stems), ALGO on HtFE-img-2 (CNN, ResNet-18), one run per seed of
-#           SEEDS: each round's clients are protofl's of that seed and round (--replay-seed)
+#           grey-scale CNN / ResNet stems), ALGO on $FAMILY (default HtFE-img-2: CNN, ResNet-18),
+#           one run per seed of SEEDS: each round's clients are protofl's of that seed and round
+#           (--replay-seed)
 #   pro     protofl: benchmarks/compare.py --preset $PRESET --methods $METHOD --seeds $SEEDS, and
 #           PRO_VARIANTS ("LABEL=OVERRIDES;LABEL=OVERRIDES", each naming its method), e.g.
 #           "fp32=method='fedproto' amp='off' channels-last=false"
-#   report  the table: per round, each side's sample-weighted accuracy over all 10 clients (HtFLlib's
-#           "Averaged Test Accuracy", protofl's personalized_accuracy) and the unweighted mean of the
+#   report  the table: per round, each side's sample-weighted accuracy over all $CLIENTS clients
+#           (HtFLlib's "Averaged Test Accuracy", protofl's personalized_accuracy) and the unweighted mean of the
 #           clients' accuracies (HtFLlib: from its per-client lines; protofl: personalized_accuracy_mean)
 #
 # What each side scores, and when: HtFLlib evaluates every client at the start of each round, after
@@ -42,7 +43,7 @@
 # nine rounds 0..8; the ninth round's training is never scored) scores the clients' models (and, for
 # FedProto, the global prototypes, by the nearest one) after k rounds, with model.eval(). protofl
 # scores every client (evaluate-clients='all') after round k's aggregation, with what the round
-# broadcast: the same state. Both count accuracy as sum correct / sum tested over the 10 clients.
+# broadcast: the same state. Both count accuracy as sum correct / sum tested over the $CLIENTS clients.
 set -uo pipefail
 HTFLLIB=${HTFLLIB:?set HTFLLIB to an HtFLlib checkout (e.g. commit e959261)}
 PRESET=${PRESET:-presets/fmnist-fedsa-table2.toml}
