@@ -152,3 +152,32 @@ def test_a_node_whose_first_answer_came_too_late_holds_its_partition_from_a_late
     late.reply, late.hangs = properties(2, n=3), False  # warm now
     discovery.discover(Manager(nodes))
     assert sorted(discovery.nodes) == [0, 1, 2] and late.asked == 2
+
+
+def test_a_round_whose_nodes_all_answered_too_late_asks_them_again_before_it_gives_up():
+    """Every ClientApp cold-starting on a loaded machine (a training worker started for the query)
+    answered after the query's timeout: the round had no holder, and the run stopped in round 1,
+    its nodes warm by then (a CI run of tests/test_simulation.py's training worker). A round with
+    no holder asks its timed-out nodes again, while their attempts last."""
+
+    class ColdNode(Node):
+        def get_properties(self, ins, timeout, group_id):
+            if self.asked == 0:
+                self.asked = 1
+                time.sleep(timeout)
+                raise RuntimeError("Message Unavailable - it may have expired due to its TTL")
+            return super().get_properties(ins, timeout, group_id)
+
+    nodes = [ColdNode(cid, properties(pid, n=2)) for pid, cid in enumerate("ab")]
+    discovery = PartitionDiscovery(timeout=0.3)
+    discovery.poll, discovery.start_timeout = 0.0, 0.3
+    discovery.discover(Manager(nodes))
+    assert sorted(discovery.nodes) == [0, 1] and [node.asked for node in nodes] == [2, 2]
+
+    hanging = [Node(cid, RuntimeError("message expired"), hangs=True) for cid in "cd"]
+    discovery = PartitionDiscovery(timeout=0.2)
+    discovery.poll, discovery.start_timeout = 0.0, 0.2
+    started = time.monotonic()
+    discovery.discover(Manager(hanging))  # nodes that never answer: DISCOVERY_ATTEMPTS timeouts, then no holder
+    assert discovery.nodes == {} and [node.asked for node in hanging] == [DISCOVERY_ATTEMPTS] * 2
+    assert time.monotonic() - started < 0.2 * (DISCOVERY_ATTEMPTS + 1.5)

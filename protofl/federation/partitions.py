@@ -10,6 +10,8 @@ is a claim, and a claim is only believed when it fits what the server knows:
   else ``DISCOVERY_TIMEOUT``), is asked again in the next rounds, at most ``DISCOVERY_ATTEMPTS``
   times in all and once a round: a node that hangs costs a timeout in a few rounds, and one whose
   first answer came late (a ClientApp cold-starting on a loaded machine) gets its partition back;
+  a round in which no node holds a partition, and which cannot go on, asks its timed-out nodes
+  again at once, while their attempts last;
 - the number of partitions is the run config's ``num-partitions``, else the value most nodes report
   (ties: the smaller), fixed once the first discovery is done; a node that reports another value,
   or an id outside it, holds nothing;
@@ -218,6 +220,11 @@ class PartitionDiscovery:
         self.registry.timed_out.clear()  # a new round: a node that timed out before is asked again
         nodes.wait_for(1, timeout=int(self.start_timeout))
         self._query(nodes)
+        while not self.registry.holders(nodes.all()) and self.registry.timed_out:
+            # no holder at all: the round cannot go on, so the nodes that timed out (ClientApps
+            # cold-starting on a loaded machine, warm by now) are asked again while attempts last
+            self.registry.timed_out.clear()
+            self._query(nodes)
         if not self.waited_for_all:
             self.waited_for_all = True
             deadline = time.monotonic() + self.start_timeout
