@@ -40,8 +40,11 @@ site_packages=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path(
 .venv/bin/python -m compileall -qq -j 0 "$site_packages" || true
 
 # Activating the venv also points Flower at this project's own home (.flwr/) and local SuperLink
-# ports, and turns off Flower's per-run dependency installation (it would download CUDA torch into
-# a fresh venv). The block is rewritten on every set-up (it is the activate script's last).
+# ports, turns off Flower's per-run dependency installation (it would download CUDA torch into
+# a fresh venv), and runs Ray's workers, a simulation's ClientApps, at the niceness of the shell
+# (Ray's default, 15, left them only the CPU other processes leave: on a busy machine every ClientApp
+# timed out at discovery and the run stopped); a RAY_worker_niceness set before activating is kept.
+# The block is rewritten on every set-up (it is the activate script's last).
 marker="# protofl environment"
 sed -i "/^$marker/,\$d" .venv/bin/activate
 cat >> .venv/bin/activate <<ACTIVATE
@@ -49,6 +52,7 @@ $marker
 export FLWR_HOME="$root/.flwr"
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$http_port FLWR_LOCAL_CONTROL_API_PORT=$control_port
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+export RAY_worker_niceness=\${RAY_worker_niceness:-0}
 ACTIVATE
 
 mkdir -p .flwr

@@ -25,7 +25,7 @@ import threading
 import time
 import tomllib
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from protofl import local_superlink
 
@@ -152,6 +152,15 @@ def stop(process: subprocess.Popen, run_id: str | None, superlink: str | None) -
     sys.stdout.flush()
 
 
+def flwr_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`flwr run`'s environment: this Python's scripts first on the PATH, and Ray's workers at the
+    shell's priority (``RAY_worker_niceness=0`` unless set): a managed local SuperLink that `flwr run`
+    starts inherits it, and at Ray's default niceness of 15 its simulations' ClientApps get only the
+    CPU other processes leave (on a busy machine every one timed out at discovery)."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"
+    return {"RAY_worker_niceness": "0"} | dict(environ) | {"PATH": path}
+
+
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
     local = connection_address(args.superlink) in (":local:", ":local-in-memory:")
@@ -160,8 +169,8 @@ def main(argv: Sequence[str]) -> int:
         if refusal:
             print(f"protofl run: {refusal}", flush=True)
             return 1
-    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    process = subprocess.Popen(flwr_run_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    process = subprocess.Popen(flwr_run_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=flwr_environment(os.environ),
                                text=True, errors="replace", bufsize=1)
     run_id, rounds, run_directory = None, 0, None
     try:

@@ -12,6 +12,9 @@ pytest_plugins = ["time_budget"]  # --time-budget SECONDS (CI's check of the fas
 
 # Flower must not build a fresh venv per run (it would download CUDA torch), nor touch ~/.flwr.
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+# Ray's workers (the simulations' ClientApps) at normal priority, as setup.sh's activate script runs
+# them: at Ray's default niceness (15) they starved beside CI's other sessions
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,13 @@ def test_exit_zero_only_for_a_completed_run_that_streamed_a_round(tmp_path):
     assert run_command.verdict("7", "running", "", 2, None)[0] == 1  # never seen to finish
 
 
+def test_flwr_runs_with_this_pythons_scripts_and_ray_workers_at_the_shells_priority():
+    env = run_command.flwr_environment({"PATH": "/usr/bin", "HOME": "/h"})
+    assert env["PATH"] == f"{BIN}{os.pathsep}/usr/bin" and env["HOME"] == "/h"
+    assert env["RAY_worker_niceness"] == "0"  # Ray's default, 15, starved the ClientApps on a busy machine
+    assert run_command.flwr_environment({"RAY_worker_niceness": "10"})["RAY_worker_niceness"] == "10"
+
+
 def test_the_cause_is_results_json_then_the_superlinks_details_then_what_the_stream_lacked(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"stopped": "round 1: 0 of 3 client updates usable"}))
     assert run_command.verdict("7", "finished:failed", "Simulation failed", 0, str(tmp_path)) == (

@@ -38,10 +38,14 @@ def test_activating_the_venv_sets_this_checkouts_home_and_ports_replacing_an_old
     port_lines = re.search(r"^http_port=.*?^control_port=.*?$", script, re.S | re.M).group(0)
     for _ in range(2):
         subprocess.run(["bash", "-c", f"set -e; root=$PWD; {port_lines}\n{block}"], cwd=tmp_path, check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "RAY_"))}
     shown = subprocess.run(["bash", "-c", f"source {activate}; env"], capture_output=True, text=True, env=env,
                            check=True).stdout
-    values = dict(line.split("=", 1) for line in shown.splitlines() if line.startswith("FLWR_"))
+    values = dict(line.split("=", 1) for line in shown.splitlines() if line.startswith(("FLWR_", "RAY_")))
+    assert values["RAY_worker_niceness"] == "0"  # a simulation's ClientApps at the shell's priority
+    kept = subprocess.run(["bash", "-c", f"source {activate}; echo $RAY_worker_niceness"], capture_output=True,
+                          text=True, env=env | {"RAY_worker_niceness": "10"}, check=True).stdout.strip()
+    assert kept == "10"
     assert activate.read_text().count("# protofl environment") == 1
     assert values["FLWR_HOME"] == f"{tmp_path}/.flwr"
     root_ports = subprocess.run(["bash", "-c", f"root={tmp_path}; {port_lines}; echo $http_port $control_port"],

@@ -71,6 +71,9 @@ def test_fedavg_learns_writes_schema_and_is_reproducible_through_a_training_work
         for key in ("clients", "train_loss", "global_accuracy", "personalized_accuracy", "personalized_std"):
             assert again[key] == before[key], key
     assert {c.get("clients_in_flight") for c in first["client_compute"].values()} == {None}
+    # Ray's workers at its default niceness (15) starved beside CI's other sessions: every ClientApp
+    # of this run timed out at discovery, three times (RAY_worker_niceness=0, tests/conftest.py)
+    assert {c.get("nice") for c in (*first["client_compute"].values(), *second["client_compute"].values())} == {0}
     assert {c.get("clients_in_flight") for c in second["client_compute"].values()} == {2}
 
 

@@ -394,7 +394,7 @@ def decode_class_vectors(
 
 
 # what a client's compute description may hold (compute_description's fields), each short
-COMPUTE_FIELDS = ("host", "device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16",
+COMPUTE_FIELDS = ("host", "nice", "device", "device_name", "threads", "cpu_capability", "autocast", "native_bf16",
                   "memory_format", "training_step", "clients_in_flight", "batchnorm_stats")
 MAX_COMPUTE_CHARS, MAX_COMPUTE_FIELD_CHARS = 1024, 80
 

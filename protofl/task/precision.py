@@ -5,6 +5,7 @@ whether training steps are captured (``cuda-graphs``), and the description of it
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from typing import Any, Literal, get_args
 
@@ -85,8 +86,10 @@ def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.dev
                         model: nn.Module | None = None, cuda_graphs: CudaGraphs = "auto") -> dict[str, Any]:
     """How a run with ``amp``, ``channels_last`` and ``cuda_graphs`` computes on ``device`` (logged,
     and recorded in results.json): the host, the device, torch's threads on a CPU, the autocast
-    dtype, the memory format (of ``model``, when given) and the training step."""
-    described: dict[str, Any] = {"host": socket.gethostname(), "device": device.type}
+    dtype, the memory format (of ``model``, when given), the training step, and the process's
+    niceness: Ray starts its workers, a simulation's ClientApps, at ``RAY_worker_niceness`` (15 where
+    it is not set), where they get only the CPU other processes leave."""
+    described: dict[str, Any] = {"host": socket.gethostname(), "nice": os.nice(0), "device": device.type}
     if device.type == "cpu":
         described |= {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}
