@@ -16,6 +16,9 @@
 #   REFERENCE=PFLlib HTFLLIB=<PFLlib checkout> PRESET=presets/fmnist-fedcosr-table2.toml
 #   NAME=FMNIST-fedcosr-table2 FAMILY=CNN CLIENTS=20 JOIN=1.0 MIN_CLIENTS=20 ROUNDS=20
 #   METHOD=fedavg ALGO=FedAvg ALGO_FLAGS=
+# PFLlib's Ditto and pFedMe keep a personal model beside the one its test_metrics scores: SCORE=personalized
+# records theirs. FedSA's own code (lokinko/FedSA 75bf106, an older HtFLlib fork) runs with
+# HTFLLIB=<its checkout> FAMILY=HtFE2 CLASSES_FLAG=-nb METHOD=fedsa ALGO=FedSA ALGO_FLAGS="-lam 10 -mcl 1.0 -cc 1.0".
 #
 # From the project root, on a CPU (each run ~1.5-3 min on 2 cores):
 #   HTFLLIB=<HtFLlib checkout> OUT=<folder> bash benchmarks/htfllib_compare.sh
@@ -61,11 +64,14 @@ JOIN=${JOIN:-0.5}                   # the preset's fraction-fit, -jr
 MIN_CLIENTS=${MIN_CLIENTS:-5}       # the preset's min-fit-clients
 LR=${LR:-0.01}                      # the preset's lr, -lr
 ROUNDS=${ROUNDS:-8}
+CLASSES_FLAG=${CLASSES_FLAG:--ncl}  # the reference's flag for the number of classes (FedSA's fork of HtFLlib: -nb)
+SCORE=${SCORE:-model}               # which evaluation of the reference is recorded (htfllib_run.py --score)
+REF_THREADS=${REF_THREADS:-1}       # the reference's torch threads (OMP_NUM_THREADS): runs side by side share the cores
 PRO_EXTRA=${PRO_EXTRA:-}            # more run-config overrides for every protofl run
 PRO_VARIANTS=${PRO_VARIANTS:-}
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=${FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION:-1}
 mkdir -p "$OUT/htfllib" "$OUT/protofl"
-HTFL_ARGS="-data $NAME -m $FAMILY -algo $ALGO -gr $ROUNDS -jr $JOIN -nc $CLIENTS -ncl 10 -fd 512 -lbs 10 -lr $LR $ALGO_FLAGS -ls 1 -eg 1 -dev cpu"
+HTFL_ARGS="-data $NAME -m $FAMILY -algo $ALGO -gr $ROUNDS -jr $JOIN -nc $CLIENTS $CLASSES_FLAG 10 -fd 512 -lbs 10 -lr $LR $ALGO_FLAGS -ls 1 -eg 1 -dev cpu"
 
 run_data() {
   python benchmarks/pfllib_data.py --preset "$PRESET" --run-config "method='$METHOD' $PRO_EXTRA" \
@@ -75,9 +81,9 @@ run_data() {
 run_htfl() {
   for s in $SEEDS; do
     local t0=$SECONDS
-    python benchmarks/htfllib_run.py --htfllib "$HTFLLIB" --work "$OUT" --out "$OUT/htfllib/seed-$s.json" \
-      --replay-seed "$s" --fraction "$JOIN" --min-clients "$MIN_CLIENTS" -- $HTFL_ARGS -go "seed$s" > "$OUT/htfllib/seed-$s.log" 2>&1
-    echo "$REFERENCE seed $s: exit $?, $((SECONDS - t0)) s; $(grep -c '^Averaged Test Accuracy' "$OUT/htfllib/seed-$s.log") evaluations"
+    OMP_NUM_THREADS=$REF_THREADS python benchmarks/htfllib_run.py --htfllib "$HTFLLIB" --work "$OUT" \
+      --out "$OUT/htfllib/seed-$s.json" --replay-seed "$s" --score "$SCORE" --fraction "$JOIN" --min-clients "$MIN_CLIENTS" -- $HTFL_ARGS -go "seed$s" > "$OUT/htfllib/seed-$s.log" 2>&1
+    echo "$REFERENCE seed $s: exit $?, $((SECONDS - t0)) s; $(grep -c '^Averaged Test Accura' "$OUT/htfllib/seed-$s.log") evaluations"
   done
 }
 

@@ -14,7 +14,10 @@ does around it, each outside HtFLlib's files:
 - Stand-ins for modules main.py imports and FedProto never uses: ``h5py`` (its ``save_results``
   writes no .h5 file here; ``average_data``, which reads them back, is skipped), ``calmsize`` (its
   memory report, skipped), the three FedKTL servers (stylegan, stable diffusion) and the two FedL2G
-  servers (``higher``), and, where it is not installed, ``cvxpy`` (PFLlib's FedPAC's solver).
+  servers (``higher``), and, where they are not installed, ``cvxpy`` (PFLlib's FedPAC's solver) and
+  ``mmcv.cnn`` (FedSA's server, lokinko/FedSA, an HtFLlib fork: its anchor projector's ``SyncBN``,
+  which without a process group is BatchNorm, built as ``BatchNorm1d``); and each method server
+  whose code, or its client's, is not valid Python (FedSA's fork's FedDistill client).
 - Inputs other than 3 x 32 x 32 (Fashion-MNIST's 1 x 28 x 28): HtFLlib's image families name
   ``FedAvgCNN(in_features=3, ..., dim=1600)`` and torchvision models with a 3-channel stem. The CNN
   is built with the data's channels and flattened size (1 and 1024), and torchvision's ResNets get a
@@ -34,20 +37,26 @@ already the 1 x 28 x 28 one.
 all clients, before that round's training: evaluation k scores the models and global prototypes
 after k rounds of training): per client its correct count and test size, the sample-weighted
 accuracy (HtFLlib's "Averaged Test Accuracy": sum correct / sum tested) and the unweighted mean of
-the clients' accuracies; and each round's trained clients.
+the clients' accuracies; and each round's trained clients. ``--score personalized`` records the
+scores of ``test_metrics_personalized`` instead, where a PFLlib method keeps a personal model beside
+the one ``test_metrics`` scores (Ditto's ``model_per``, pFedMe's personalized model): the model
+protofl's personalized accuracy scores.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import re
 import runpy
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +67,36 @@ def stub(name: str, **attributes) -> None:
     sys.modules[name] = module
 
 
+def norm_layer(cfg: dict, num_features: int) -> tuple[str, torch.nn.Module]:
+    """mmcv's ``build_norm_layer`` for the one norm FedSA's server asks for, ``SyncBN``: without a
+    distributed process group it normalises as BatchNorm over the batch, so BatchNorm1d here."""
+    if cfg.get("type") != "SyncBN":
+        raise NotImplementedError(f"norm {cfg!r}: only SyncBN (FedSA's) is stood in for")
+    layer = torch.nn.BatchNorm1d(num_features)
+    layer.requires_grad_(cfg.get("requires_grad", True))
+    return "bn", layer
+
+
+def stub_servers_that_do_not_compile(system: Path) -> None:
+    """main.py imports every method's server: one whose own file, or its client's, is not valid
+    Python (lokinko/FedSA 75bf106's clientdistill.py) stops every run. Each such server module is
+    stood in for by a module with main.py's names from it as None (the method itself cannot run)."""
+    broken = set()
+    for folder in ("clients", "servers"):
+        for path in sorted((system / "flcore" / folder).glob("*.py")):
+            try:
+                compile(path.read_text(), str(path), "exec")
+            except SyntaxError:
+                broken.add(f"flcore.{folder}.{path.stem}")
+    main = (system / "main.py").read_text()
+    for path in sorted((system / "flcore" / "servers").glob("*.py")):
+        module = f"flcore.servers.{path.stem}"
+        if module in broken or any(f"from {name} import" in path.read_text() for name in broken):
+            names = re.findall(rf"^from {re.escape(module)} import (\w+)", main, re.M)
+            print(f"htfllib_run: {module} does not compile; stood in for ({', '.join(names)} = None)", flush=True)
+            stub(module, **dict.fromkeys(names))
+
+
 def data_shape(work: Path, dataset: str) -> tuple[int, ...]:
     with open(work / "dataset" / dataset / "train" / "0.npz", "rb") as f:
         return tuple(np.load(f, allow_pickle=True)["data"].tolist()["x"].shape[1:])
@@ -65,7 +104,6 @@ def data_shape(work: Path, dataset: str) -> tuple[int, ...]:
 
 def adapt_models(channels: int, size: int) -> None:
     """HtFLlib's image models for ``channels`` x ``size`` x ``size`` inputs (see the module's docstring)."""
-    import torch
     import torchvision
     from torch import nn
 
@@ -90,7 +128,6 @@ def adapt_models(channels: int, size: int) -> None:
 
     for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152"):
         setattr(torchvision.models, name, with_stem(getattr(torchvision.models, name)))
-    del torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.5, help="protofl's fraction-fit (with --replay-seed)")
     parser.add_argument("--min-clients", type=int, default=0, help="protofl's min-fit-clients (with --replay-seed)")
     parser.add_argument("--numpy-seed", type=int, help="np.random.seed before HtFLlib runs")
+    parser.add_argument("--score", choices=("model", "personalized"), default="model",
+                        help="which evaluation is recorded: test_metrics, or test_metrics_personalized")
     args = parser.parse_args(ours)
 
     system = (args.htfllib / "system").resolve()
@@ -123,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         import cvxpy  # noqa: F401
     except ImportError:
         stub("cvxpy")
+    try:  # FedSA's server (lokinko/FedSA) builds its anchor projector's norms with mmcv
+        import mmcv.cnn  # noqa: F401
+    except ImportError:
+        stub("mmcv")
+        stub("mmcv.cnn", ConvModule=None, build_norm_layer=norm_layer)
 
+    stub_servers_that_do_not_compile(system)
     from flcore.servers import serverbase
     from utils import mem_utils, result_utils
 
@@ -155,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         record["selected"].append(sorted(int(c.id) for c in chosen))
         return chosen
 
-    original_metrics = serverbase.Server.test_metrics
+    def recording(original):
+        def test_metrics(self):
+            scores = original(self)
+            record_scores(*scores[:3])
+            return scores  # to HtFLlib's evaluate() as they came
+        return test_metrics
 
-    def test_metrics(self):
-        ids, sizes, correct, aucs = original_metrics(self)
+    def record_scores(ids, sizes, correct):
         totals = [int(round(n)) for n in sizes]  # FedProto's "no prototypes yet": 1e-5
         accuracies = [c / n if n else 0.0 for c, n in zip(correct, totals)]
         record["evaluations"].append({
@@ -167,10 +216,14 @@ def main(argv: list[str] | None = None) -> int:
             "accuracy": sum(correct) / max(sum(totals), 1), "mean": float(np.mean(accuracies)),
             "std": float(np.std(accuracies)), "per_client": accuracies})
         write()
-        return ids, sizes, correct, aucs  # to HtFLlib's evaluate() as they came
 
     serverbase.Server.select_clients = select_clients
-    serverbase.Server.test_metrics = test_metrics
+    if args.score == "model":
+        serverbase.Server.test_metrics = recording(serverbase.Server.test_metrics)
+    else:  # the servers whose clients keep a personal model
+        for module, name in (("serverditto", "Ditto"), ("serverpFedMe", "pFedMe")):
+            server = getattr(importlib.import_module(f"flcore.servers.{module}"), name)
+            server.test_metrics_personalized = recording(server.test_metrics_personalized)
     if args.numpy_seed is not None:
         np.random.seed(args.numpy_seed)
     sys.argv = ["main.py", *theirs]
