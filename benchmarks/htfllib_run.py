@@ -27,7 +27,9 @@ does around it, each outside HtFLlib's files:
 - ``--replay-seed S``: each round's clients are the ones protofl trains in that round
   (``protofl.task.sampling.sample_partitions`` with ``--fraction``, ``--min-clients`` and seed S;
   HtFLlib's round i = protofl's round i + 1); ``--numpy-seed S`` seeds HtFLlib's own unseeded
-  ``np.random.choice`` instead. HtFLlib's models start from ``torch.manual_seed(0)`` whatever the seed.
+  ``np.random.choice`` instead. HtFLlib's models start from ``torch.manual_seed(0)`` whatever the seed
+  (main.py, and again in every client's constructor); ``--torch-seed S`` makes each of those S, for
+  the reference's own spread over initial weights and batch orders.
 
 PFLlib (TsingZ0/PFLlib, HtFLlib's parent) has the same ``system/`` layout, data files, flags and
 server hooks: ``--htfllib`` may be a PFLlib checkout. Its CNN for a data set named ``*MNIST*`` is
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.5, help="protofl's fraction-fit (with --replay-seed)")
     parser.add_argument("--min-clients", type=int, default=0, help="protofl's min-fit-clients (with --replay-seed)")
     parser.add_argument("--numpy-seed", type=int, help="np.random.seed before HtFLlib runs")
+    parser.add_argument("--torch-seed", type=int,
+                        help="seed torch with this wherever the reference seeds it with 0 (main.py, each client)")
     parser.add_argument("--score", choices=("model", "personalized"), default="model",
                         help="which evaluation is recorded: test_metrics, or test_metrics_personalized")
     args = parser.parse_args(ours)
@@ -226,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             server.test_metrics_personalized = recording(server.test_metrics_personalized)
     if args.numpy_seed is not None:
         np.random.seed(args.numpy_seed)
+    if args.torch_seed is not None:  # its initial weights and batch orders, else the same whatever -go says
+        seed_torch = torch.manual_seed
+        torch.manual_seed = lambda seed: seed_torch(args.torch_seed if seed == 0 else seed)
     sys.argv = ["main.py", *theirs]
     write()
     runpy.run_path(str(system / "main.py"), run_name="__main__")
