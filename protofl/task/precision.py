@@ -89,7 +89,9 @@ def compute_description(amp: Amp, channels_last: ChannelsLast, device: torch.dev
     dtype, the memory format (of ``model``, when given), the training step, and the process's
     niceness: Ray starts its workers, a simulation's ClientApps, at ``RAY_worker_niceness`` (15 where
     it is not set), where they get only the CPU other processes leave."""
-    described: dict[str, Any] = {"host": socket.gethostname(), "nice": os.nice(0), "device": device.type}
+    described: dict[str, Any] = {"host": socket.gethostname(), "device": device.type}
+    if hasattr(os, "nice"):  # not on Windows
+        described["nice"] = os.nice(0)
     if device.type == "cpu":
         described |= {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}
