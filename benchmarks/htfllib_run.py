@@ -83,19 +83,21 @@ def stub_servers_that_do_not_compile(system: Path) -> None:
     """main.py imports every method's server: one whose own file, or its client's, is not valid
     Python (lokinko/FedSA 75bf106's clientdistill.py) stops every run. Each such server module is
     stood in for by a module with main.py's names from it as None (the method itself cannot run)."""
+    sources = {f"flcore.{folder}.{path.stem}": path.read_text()
+               for folder in ("clients", "servers") for path in sorted((system / "flcore" / folder).glob("*.py"))}
     broken = set()
-    for folder in ("clients", "servers"):
-        for path in sorted((system / "flcore" / folder).glob("*.py")):
-            try:
-                compile(path.read_text(), str(path), "exec")
-            except SyntaxError:
-                broken.add(f"flcore.{folder}.{path.stem}")
+    for module, text in sources.items():
+        try:
+            compile(text, module, "exec")
+        except SyntaxError:
+            broken.add(module)
     main = (system / "main.py").read_text()
-    for path in sorted((system / "flcore" / "servers").glob("*.py")):
-        module = f"flcore.servers.{path.stem}"
-        if module in broken or any(f"from {name} import" in path.read_text() for name in broken):
+    for module, text in sources.items():
+        if module.startswith("flcore.servers.") and (
+                module in broken or any(f"from {name} import" in text for name in broken)):
             names = re.findall(rf"^from {re.escape(module)} import (\w+)", main, re.M)
-            print(f"htfllib_run: {module} does not compile; stood in for ({', '.join(names)} = None)", flush=True)
+            print(f"htfllib_run: {module} or a module it imports does not compile; stood in for "
+                  f"({', '.join(names)} = None)", flush=True)
             stub(module, **dict.fromkeys(names))
 
 
