@@ -227,6 +227,14 @@ def unreachable_beyond_loopback(port: int) -> list[str]:
     return addresses
 
 
+def tracebacks(logs: str, context: int = 40) -> str:
+    """Each traceback in compose's logs with the lines that follow it (its frames and error), not the
+    logs' tail, where a traceback early in a run is long gone."""
+    lines = logs.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Traceback" in line]
+    return "\n[...]\n".join("\n".join(lines[i:i + context]) for i in starts[:3])
+
+
 def run(home: Path, name: str, compose: list[str], front: str = "message") -> None:
     flwr_run(home, f"method='fedproto' num-server-rounds=2 run-name='{name}' flower-api='{front}'")
     results = Deployment(compose).results(name)
@@ -236,7 +244,7 @@ def run(home: Path, name: str, compose: list[str], front: str = "message") -> No
     logs = subprocess.run([*compose, "logs", "--no-color", *SERVICES], capture_output=True, text=True,
                           timeout=120, check=True).stdout
     if "Traceback" in logs:
-        sys.exit(f"a container logged a traceback:\n{logs[-4000:]}")
+        sys.exit(f"a container logged a traceback:\n{tracebacks(logs)}")
     for service in SERVICES:  # every service ran (compose prefixes each line with its container)
         if f"{service}_" not in logs and f"{service}-" not in logs:
             sys.exit(f"no log lines from {service}")

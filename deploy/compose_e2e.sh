@@ -58,6 +58,9 @@ cleanup() {
     # what each SuperNode received and sent, whole: which message a node answered, and when
     log "the SuperNodes' messages:"
     grep -hE '^supernode-[0-9]+.*(RUN |Receiving|Sending|Ignoring|Failed|ERROR)' "$work"/*.log 2>/dev/null || true
+    # last, where a log's tail shows them: each traceback a container logged, with its frames and error
+    log "the tracebacks in the containers' logs:"
+    grep -h -A 30 'Traceback' "$work"/*.log 2>/dev/null | head -n 200 || true
   fi
   rm -f deploy/build/compose-e2e-ca.crt deploy/build/compose-e2e-canary.crt
   # images this run's builds replaced (a rebuilt app image left about 14 GB behind); the current

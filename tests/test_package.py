@@ -14,6 +14,7 @@ import sysconfig
 import tarfile
 import time
 import tomllib
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -233,6 +234,29 @@ def installed_from_pips_resolution(python: str, wheel: Path, workdir: Path, env:
     return versions, f"pip resolved in {resolve_seconds:.0f} s, uv installed in {time.monotonic() - installing:.0f} s"
 
 
+def start_local_superlink(bin_dir: Path, home: Path, env: dict, timeout: float) -> None:
+    """The managed local SuperLink, started with the arguments `flwr run` gives it
+    (flwr/cli/local_superlink.py), detached as Flower detaches it, and waited for up to `timeout` s
+    rather than Flower's 15: a `flwr run` then finds it running and takes it."""
+    runtime = home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    subprocess.Popen(
+        [str(bin_dir / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+         "--control-api-address", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}", "--host", "127.0.0.1",
+         "--port", env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], "--log-file", str(runtime / "superlink.log"),
+         "--database", str(runtime / "state.db")],
+        env=env | {"FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    health, deadline = f"http://127.0.0.1:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}/health", time.monotonic() + timeout
+    while time.monotonic() < deadline:  # ready as Flower asks: its health endpoint answers
+        try:
+            with urllib.request.urlopen(health, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the local SuperLink did not answer {health} within {timeout:.0f} s")
+
+
 @pytest.mark.slow
 def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_path, dist):
     """What a user who installs the wheel gets: a fresh virtual environment with the wheel and the
@@ -271,11 +295,11 @@ def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_p
             assert versions[canonicalize_name(requirement.name)] in requirement.specifier, f"{requirement}{chosen}"
         checked = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, env=env, timeout=120)
         assert checked.returncode == 0, checked.stdout + chosen
-        # the main job's modules, imported once here: their bytecode is written for its processes. That
-        # compiles thousands of modules: beside CI's other sessions (a load of 13 on 2 cores) it took
-        # over 120 s
-        code = ("import json, sys, flwr, flwr.simulation, protofl, protofl.client_app, protofl.server_app; "
-                "print(json.dumps([flwr.__file__, protofl.__file__, sys.path]))")
+        # the main job's modules, the SuperLink's among them (flower-superlink's entry point), imported
+        # once here: their bytecode is written for its processes. That compiles thousands of modules:
+        # beside CI's other sessions (a load of 13 on 2 cores) it took over 120 s
+        code = ("import json, sys, flwr, flwr.simulation, flwr.superlink.cli, protofl, protofl.client_app, "
+                "protofl.server_app; print(json.dumps([flwr.__file__, protofl.__file__, sys.path]))")
         *modules, path = json.loads(run_in(bin_dir, [python, "-c", code], tmp_path, env, timeout=600).stdout)
         assert all(module.startswith(str(venv)) for module in modules), modules
         assert sysconfig.get_paths()["purelib"] not in path and str(ROOT) not in path  # the index's, not the pins'
@@ -288,19 +312,22 @@ def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_p
         }
         run_config = f"output-dir='{tmp_path / 'runs'}' run-name='main-job'"  # the app's defaults otherwise
         running = time.monotonic()
-        for attempt in (1, 2):
-            try:
+        try:
+            for attempt in (1, 2):
                 run = run_in(bin_dir, ["flwr", "run", "main-job", "--stream", "--run-config", run_config,
                                        "--federation-config",
                                        "num-supernodes=10 client-resources-num-cpus=1 client-resources-num-gpus=0.0"],
                              tmp_path, env, timeout=900)
-            finally:
-                kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
-            # Flower gives the SuperLink it starts 15 s (flwr/cli/local_superlink.py), which a loaded host
-            # can miss (beside CI's other sessions, at a load of 11-13 on 2 cores): a user runs it again
-            if attempt == 2 or "Failed to start local SuperLink within" not in run.stdout + run.stderr:
-                break
-            print("flwr run: Flower's local SuperLink did not start within its 15 s; running it again")
+                # Flower gives the SuperLink it starts 15 s (flwr/cli/local_superlink.py), which a loaded
+                # host can miss (beside CI's other sessions, at a load of 11-13 on 2 cores, both tries did):
+                # the SuperLink is then started as Flower starts it and waited for, and the run finds it
+                if attempt == 2 or "Failed to start local SuperLink within" not in run.stdout + run.stderr:
+                    break
+                print("flwr run: Flower's local SuperLink did not start within its 15 s; starting it as Flower "
+                      "does, waiting for it, and running again")
+                start_local_superlink(bin_dir, home, env, timeout=300)
+        finally:
+            kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
         run_seconds = time.monotonic() - running
         assert not pids_with_argument(str(home))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + chosen
