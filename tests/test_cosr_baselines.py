@@ -11,7 +11,8 @@ import torch
 from protofl.settings import ExperimentSettings
 from protofl.strategies import get_method
 from protofl.strategies.fedala import slice_start
-from protofl.strategies.fedamp import attention_weights, squared_distance
+from protofl.strategies import fedamp
+from protofl.strategies.fedamp import attention_weights, pairwise_squared_distances
 from protofl.strategies.fedpac import SMALL_WEIGHT, combination_matrix, combination_weights, feature_statistics
 from protofl.task.quadratic import simplex_minimum
 
@@ -80,7 +81,51 @@ def test_attention_weights_decay_with_the_squared_distance_and_the_rest_stays_wi
     xi, own = attention_weights([0.0, 2.0], alpha_k=0.5, sigma=2.0)
     np.testing.assert_allclose(xi, [0.25, 0.25 * math.exp(-1)], rtol=1e-15)
     assert own == pytest.approx(1 - 0.25 - 0.25 * math.exp(-1), rel=1e-15)
-    assert squared_distance([np.array([1.0, 2.0]), np.array([3.0])], [np.array([0.0, 0.0]), np.array([1.0])]) == 9.0
+
+
+def test_every_pairs_squared_distance_comes_from_the_gram_matrix_over_all_the_arrays():
+    a, b, c = ([np.array([1.0, 2.0]), np.array([3.0])], [np.array([0.0, 0.0]), np.array([1.0])],
+               [np.array([1.0, 2.0]), np.array([5.0])])
+    # ||a - b||^2 = 1 + 4 + 4, ||a - c||^2 = 4, ||b - c||^2 = 1 + 4 + 16
+    np.testing.assert_array_equal(pairwise_squared_distances([a, b, c]), [[0, 9, 4], [9, 0, 21], [4, 21, 0]])
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_fedamps_cloud_models_from_one_gram_matrix_are_the_per_pair_formula(monkeypatch, bounded):
+    """Every cloud model of the server's batched rule against u_i = xi_ii w_i + sum_j xi_ij w_j, each
+    distance ||w_i - w_j||^2 a difference per pair, in float64; a client the server has not heard from
+    has the initial model as its own and every held model as a peer. Blocks of 5 entries, so that
+    arrays span several. The bound: the Gram matrix's dot products of P terms err by at most
+    gamma = 2 P eps of ||w_a||^2 + ||w_b||^2 (plus the sum of three terms), dxi_ij <= alpha / sigma^2
+    times that, xi_ii takes the sum of those, and u_i sums n weighted models."""
+    monkeypatch.setattr(fedamp, "COLUMNS", 5)
+    rng = np.random.default_rng(0)
+    shapes = [(3, 4), (7,)]
+    initial = [rng.normal(size=s) for s in shapes]
+    held = {p: [w + rng.normal(0, 0.3, w.shape) for w in initial] for p in (0, 2, 5)}
+    alpha_k, sigma = 0.8, 2.0
+    rule = fedamp.FedAMPStrategy.__new__(fedamp.FedAMPStrategy)
+    rule.options = fedamp.FedAMPOptions(alpha_k=alpha_k, sigma=sigma, peer_weight_bound=bounded)
+    rule.client_models, rule.initial_model, rule._clouds = held, initial, ({}, {})
+
+    entries = sum(int(np.prod(s)) for s in shapes)
+    gamma = 2 * (entries + 3) * np.finfo(np.float64).eps
+    squared_norm = max(sum(float(np.sum(w ** 2)) for w in m) for m in [initial, *held.values()])
+    distance_error = gamma * 2 * squared_norm
+    weight_error = len(held) * alpha_k / sigma ** 2 * distance_error
+    largest = max(float(np.max(np.abs(w))) for m in [initial, *held.values()] for w in m)
+    for partition in (0, 2, 5, 9):
+        own = held.get(partition, initial)
+        peers = [w for q, w in sorted(held.items()) if q != partition]
+        distances = [sum(float(np.sum((x - y) ** 2)) for x, y in zip(own, w)) for w in peers]
+        xi, xi_own = attention_weights(distances, alpha_k, sigma, bounded)
+        expected = [xi_own * x + sum(weight * w[k] for weight, w in zip(xi, peers)) for k, x in enumerate(own)]
+        got = list(rule.broadcast_to(1, partition).values())
+        tolerance = 2 * weight_error * largest * (len(peers) + 1) + gamma * largest * (len(peers) + 1)
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and g.shape == e.shape
+            np.testing.assert_allclose(g, e, rtol=0, atol=tolerance)
+    assert max(np.max(np.abs(g - e)) for g, e in zip(rule.broadcast_to(1, 0).values(), held[0])) > 1e-3  # it moved
 
 
 def test_the_slice_start_leaves_room_for_the_whole_slice_and_follows_the_seed():
