@@ -266,7 +266,8 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
     """Markdown table: GM and PM final / best / last-10 mean, PM std, PM(L) and PM(V) (final and
-    last-10, when measured), traffic and time."""
+    last-10, when measured), traffic, time, and the server rule's share of it (its own training and
+    the next round's broadcasts included)."""
     measured = [key for key in ("pm_l", "pm_v") if any(r["summary"].get(key) for r in runs.values())]
     columns = ["method"]
     for name in ("GM", "PM"):
@@ -275,7 +276,7 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
     for key in measured:
         name = "PM(L)" if key == "pm_l" else "PM(V)"
         columns += [f"{name} final", f"{name} last-10"]
-    columns += ["MB up+down / round", "s / round"]
+    columns += ["MB up+down / round", "s / round", "server s / round"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for label, results in runs.items():
         rounds, summary = results["rounds"], results["summary"]
@@ -293,8 +294,9 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> str:
             cells += [_fmt(s["final"]), _fmt(s["last10_mean"])] if s else ["–", "–"]
         traffic = [(r["bytes_up"] or 0) + (r["bytes_down"] or 0) for r in rounds]
         cells.append(_fmt(np.mean(traffic) / 1e6 if traffic else None, 3))
-        seconds = [r["seconds"] for r in rounds if r.get("seconds") is not None]
-        cells.append(_fmt(float(np.mean(seconds)) if seconds else None, 2))
+        for key in ("seconds", "server_seconds"):
+            seconds = [r[key] for r in rounds if r.get(key) is not None]
+            cells.append(_fmt(float(np.mean(seconds)) if seconds else None, 2 if key == "seconds" else 3))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,8 @@ def load_compare():
 def saved_run(directory, label, accuracies, seed=0):
     recorder = RunRecorder(directory / label, {"num_server_rounds": len(accuracies), "seed": seed})
     for server_round, accuracy in enumerate(accuracies, start=1):
-        recorder.update(server_round, global_accuracy=accuracy, bytes_up=10, bytes_down=10, seconds=1.0)
+        recorder.update(server_round, global_accuracy=accuracy, bytes_up=10, bytes_down=10, seconds=1.0,
+                        server_seconds=0.25 * server_round)
     recorder.write()
 
 
@@ -34,6 +35,7 @@ def test_include_builds_one_table_from_runs_saved_apart(tmp_path):
                          "--out", str(out)]) == 0
     rows = {line.split(" | ")[0].strip("| "): line for line in (out / "comparison.md").read_text().splitlines()}
     assert "0.6000 | 0.7000 (2)" in rows["fedavg"] and "0.7500 | 0.8000 (2)" in rows["fedsc"]
+    assert rows["fedavg"].endswith("| 1.00 | 0.500 |")  # s / round, and the server rule's (0.25, 0.5, 0.75 s)
     with pytest.raises(SystemExit, match="no <label>/results.json"):
         compare.main(["--include", str(tmp_path / "missing"), "--out", str(out)])
 
