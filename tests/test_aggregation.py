@@ -10,6 +10,7 @@ from protofl.task.losses import prototype_loss
 from protofl.task.prototypes import aggregate_prototypes, sigmoid_discrepancy_weights
 from protofl.task.robust import robust_average_layers, robust_mean, trimmed_mean
 from protofl.task.sampling import client_seed, sample_partitions
+from protofl.task import weights as weights_module
 from protofl.task.weights import weighted_average
 
 # two clients, three classes, 2-d features; nobody holds class 2 (client A's row is junk)
@@ -64,6 +65,28 @@ def test_weighted_average_hand_computed_and_keeps_dtypes():
     np.testing.assert_allclose(averaged[0], [4.0, 5.0])
     assert averaged[0].dtype == np.float32 and averaged[1].dtype == np.int64
     assert weighted_average([client_a, client_b], [1, 1])[1].tolist() == [3]
+
+
+def test_weighted_sums_over_blocks_of_entries_are_each_rows_float64_sum(monkeypatch):
+    """Arrays of 7 and 2 x 3 entries (a scalar, an empty one too) in blocks of 3 entries: each row of
+    weights gives the float64 sum of the weighted models in each array's shape and dtype. The bound:
+    a sum of 4 float64 products errs by at most 4 eps sum |w m|, and its rounding to float32 by
+    float32's eps of the sum."""
+    monkeypatch.setattr(weights_module, "COLUMNS", 3)
+    rng = np.random.default_rng(0)
+    models = [[rng.normal(size=7).astype(np.float32), rng.normal(size=(2, 3)), np.array(5 + k), np.zeros((0, 4))]
+              for k in range(4)]
+    weights = rng.normal(size=(3, 4))
+    for row, sums in zip(weights, weights_module.weighted_sums(weights, models)):
+        for index, got in enumerate(sums):
+            want = sum(w * np.asarray(m[index], np.float64) for w, m in zip(row, models))
+            assert got.shape == models[0][index].shape and got.dtype == models[0][index].dtype
+            if got.dtype == np.int64:
+                np.testing.assert_array_equal(got, want.astype(np.int64))
+                continue
+            scale = sum(abs(w) * np.abs(np.asarray(m[index], np.float64)) for w, m in zip(row, models))
+            bound = 4 * np.finfo(np.float64).eps * scale + np.finfo(got.dtype).eps * np.abs(want)
+            assert np.all(np.abs(got - want) <= bound)
 
 
 def test_personalized_stats_hand_computed():

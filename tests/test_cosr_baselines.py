@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from protofl.settings import ExperimentSettings
-from protofl.strategies import get_method
+from protofl.strategies import fedamp, get_method
 from protofl.strategies.fedala import slice_start
-from protofl.strategies import fedamp
 from protofl.strategies.fedamp import attention_weights, pairwise_squared_distances
 from protofl.strategies.fedpac import SMALL_WEIGHT, combination_matrix, combination_weights, feature_statistics
+from protofl.task import weights
 from protofl.task.quadratic import simplex_minimum
 
 
@@ -98,7 +98,7 @@ def test_fedamps_cloud_models_from_one_gram_matrix_are_the_per_pair_formula(monk
     arrays span several. The bound: the Gram matrix's dot products of P terms err by at most
     gamma = 2 P eps of ||w_a||^2 + ||w_b||^2 (plus the sum of three terms), dxi_ij <= alpha / sigma^2
     times that, xi_ii takes the sum of those, and u_i sums n weighted models."""
-    monkeypatch.setattr(fedamp, "COLUMNS", 5)
+    monkeypatch.setattr(weights, "COLUMNS", 5)
     rng = np.random.default_rng(0)
     shapes = [(3, 4), (7,)]
     initial = [rng.normal(size=s) for s in shapes]

@@ -36,6 +36,7 @@ from protofl.federation.server_rule import ServerRule
 from protofl.federation.wire import PROXIMAL_LOSS, ArraySpec, indexed
 from protofl.settings import KeptModel, MethodOptions
 from protofl.task.losses import proximal_term
+from protofl.task.weights import stacked_columns, weighted_sums
 
 CLIENT_MODEL, CLOUD_MODEL = "client-model", "cloud-model"  # w_i (uploaded), u_i (to client i)
 
@@ -75,21 +76,6 @@ def attention_weights(distances: Sequence[float], alpha_k: float, sigma: float,
     return others, 1.0 - float(others.sum())
 
 
-COLUMNS = 1 << 16  # the entries of each array stacked at a time (float64: 0.5 MB a model)
-
-
-def stacked_columns(models: Sequence[Sequence[np.ndarray]]):
-    """The models' entries as float64 matrices of one row per model: each array's entries in blocks
-    of COLUMNS, so that no array of every model is ever copied whole. Yields (array index, slice,
-    block). The blocks are torch tensors: numpy's OpenBLAS threads spin on a loaded host (a Gram
-    block of 21 models took 0.7 s beside a simulation's workers, torch's 0.03 s)."""
-    for index, arrays in enumerate(zip(*models)):
-        flat = [a.reshape(-1) for a in arrays]
-        for start in range(0, flat[0].size, COLUMNS):
-            block = slice(start, start + COLUMNS)
-            yield index, block, torch.from_numpy(np.stack([f[block] for f in flat]).astype(np.float64))
-
-
 def pairwise_squared_distances(models: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
     """||w_a - w_b||^2 for every pair of ``models`` in float64, from their Gram matrix G (one matrix
     product per block of entries, not a difference per pair): d_ab = G_aa + G_bb - 2 G_ab, 0 on the
@@ -100,16 +86,6 @@ def pairwise_squared_distances(models: Sequence[Sequence[np.ndarray]]) -> np.nda
         gram += block @ block.T
     norms = torch.diagonal(gram)
     return torch.clamp(norms[:, None] + norms[None, :] - 2.0 * gram, min=0.0).numpy()
-
-
-def weighted_models(weights: np.ndarray, models: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Row r: sum_b weights[r, b] w_b, each array accumulated in float64 and returned in its dtype."""
-    combined = [[np.empty(a.shape, a.dtype) for a in models[0]] for _ in range(len(weights))]
-    weights = torch.from_numpy(np.asarray(weights, np.float64))
-    for index, block, stacked in stacked_columns(models):
-        for row, values in zip(combined, (weights @ stacked).numpy()):
-            row[index].reshape(-1)[block] = values
-    return combined
 
 
 class FedAMPStrategy(ServerRule):
@@ -153,7 +129,7 @@ class FedAMPStrategy(ServerRule):
             peers = [j for j in range(n) if j != row]
             weights[row, peers], weights[row, row] = attention_weights(
                 distances[row, peers], self.options.alpha_k, self.options.sigma, self.options.peer_weight_bound)
-        clouds = weighted_models(weights, models)
+        clouds = weighted_sums(weights, models)
         return {key: indexed(CLOUD_MODEL, cloud) for key, cloud in zip([*partitions, None], clouds)}
 
 

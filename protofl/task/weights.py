@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,33 @@ def load_all_tensors(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> N
             buffer.copy_(torch.from_numpy(arrays[name]))
 
 
+COLUMNS = 1 << 16  # the entries of each array stacked at a time (float64: 0.5 MB a model)
+
+
+def stacked_columns(models: Sequence[Sequence[np.ndarray]]) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """The models' entries (each model a list of arrays of the same shapes) as float64 matrices of one
+    row per model: each array's entries in blocks of COLUMNS, so that no array of every model is ever
+    copied whole. Yields (array index, slice of its flattened entries, block). The blocks are torch
+    tensors for torch's matrix products: numpy's OpenBLAS threads spin on a loaded host (a block of
+    21 models times its transpose took 0.7 s beside a simulation's workers, torch's 0.03 s)."""
+    for index, arrays in enumerate(zip(*models)):
+        flat = [np.asarray(a).reshape(-1) for a in arrays]
+        for start in range(0, flat[0].size, COLUMNS):
+            block = slice(start, start + COLUMNS)
+            yield index, block, torch.from_numpy(np.stack([f[block] for f in flat]).astype(np.float64))
+
+
+def weighted_sums(weights: np.ndarray, models: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
+    """Row r of ``weights`` (rows x models): sum_b weights[r, b] models[b], array by array, accumulated
+    in float64; each array in its dtype."""
+    combined = [[np.empty(np.shape(a), np.asarray(a).dtype) for a in models[0]] for _ in range(len(weights))]
+    weights = torch.from_numpy(np.asarray(weights, np.float64))
+    for index, block, stacked in stacked_columns(models):
+        for row, values in zip(combined, (weights @ stacked).numpy()):
+            row[index].reshape(-1)[block] = values
+    return combined
+
+
 def weighted_average(
     arrays_per_client: Sequence[Sequence[np.ndarray]], weights: Sequence[float]
 ) -> list[np.ndarray]:
@@ -56,9 +83,4 @@ def weighted_average(
     w = np.asarray(weights, dtype=np.float64)
     if len(arrays_per_client) == 0 or w.sum() <= 0:
         raise ValueError("nothing to average")
-    w = w / w.sum()
-    return [
-        np.tensordot(w, np.stack([client[i] for client in arrays_per_client]).astype(np.float64), axes=1)
-        .astype(arrays_per_client[0][i].dtype)
-        for i in range(len(arrays_per_client[0]))
-    ]
+    return weighted_sums((w / w.sum())[None, :], arrays_per_client)[0]
