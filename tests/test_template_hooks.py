@@ -5,6 +5,7 @@ the checkpoint, a broadcast per client, and results.json's record of every "auto
 import copy
 import io
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -123,6 +124,20 @@ def test_a_module_and_its_optimizer_round_trip_through_a_checkpoint_and_a_snapsh
     buffers = strategy.optimizer.state_dict()["state"]
     assert all(torch.equal(buffers[i]["momentum_buffer"], s["momentum_buffer"]) for i, s in momentum["state"].items())
     assert strategy.optimizer.param_groups[0]["params"] == list(strategy.head.parameters())
+
+
+def test_a_snapshot_shares_read_only_arrays_and_copies_the_rest():
+    """A snapshot before the rule must survive what the rule does in place: a writeable array is
+    copied; a read-only one (FedAMP's held models) cannot change in place and is shared, not copied."""
+    frozen, live = np.arange(3.0), np.arange(3.0)
+    frozen.setflags(write=False)
+    owner = SimpleNamespace(models={0: [frozen, live]}, pair=(frozen, live))
+    snapshot = MethodState(owner, ["models", "pair"]).snapshot()
+    assert snapshot["models"][0][0] is frozen and snapshot["pair"][0] is frozen
+    live += 1  # the rule changes a writeable array in place
+    np.testing.assert_array_equal(snapshot["models"][0][1], [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(snapshot["pair"][1], [0.0, 1.0, 2.0])
+    assert type(snapshot["pair"]) is tuple and snapshot["models"] is not owner.models
 
 
 def test_a_run_whose_server_trains_a_module_resumes_as_if_never_stopped(tmp_path):

@@ -52,7 +52,20 @@ def _copy(value: Any) -> Any:
     plain = _plain(value)
     if isinstance(value, torch.nn.Module):  # state_dict's tensors are the module's own
         return {k: v.detach().clone() for k, v in plain.items()}
-    return copy.deepcopy(plain)
+    return _copied(plain)
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy that shares each read-only numpy array: nothing changes one in place, so a rule
+    that keeps many models and marks them read-only (FedAMP: 233 MB at 100 clients) is not copied
+    each round."""
+    if isinstance(value, np.ndarray) and not value.flags.writeable:
+        return value
+    if type(value) is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copied(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _as_tensors(value: Any, like: Any) -> Any:

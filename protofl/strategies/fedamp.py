@@ -76,6 +76,13 @@ def attention_weights(distances: Sequence[float], alpha_k: float, sigma: float,
     return others, 1.0 - float(others.sum())
 
 
+def read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, marked read-only: a held model is replaced, never changed in place, and the
+    server's state snapshot shares it rather than copying it each round."""
+    array.setflags(write=False)
+    return array
+
+
 def pairwise_squared_distances(models: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
     """||w_a - w_b||^2 for every pair of ``models`` in float64, from their Gram matrix G (one matrix
     product per block of entries, not a difference per pair): d_ab = G_aa + G_bb - 2 G_ab, 0 on the
@@ -105,7 +112,8 @@ class FedAMPStrategy(ServerRule):
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> None:
         names = list(indexed(CLIENT_MODEL, self.initial_model))
-        self.client_models = self.client_models | {u.partition_id: [u.uploads[k] for k in names] for u in updates}
+        self.client_models = self.client_models | {u.partition_id: [read_only(u.uploads[k]) for k in names]
+                                                   for u in updates}
         return None
 
     def broadcast_to(self, server_round: int, partition_id: int) -> dict[str, np.ndarray]:
