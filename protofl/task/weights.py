@@ -62,7 +62,7 @@ def stacked_columns(models: Sequence[Sequence[np.ndarray]]) -> Iterator[tuple[in
         flat = [np.asarray(a).reshape(-1) for a in arrays]
         for start in range(0, flat[0].size, COLUMNS):
             block = slice(start, start + COLUMNS)
-            yield index, block, torch.from_numpy(np.stack([f[block] for f in flat]).astype(np.float64))
+            yield index, block, torch.from_numpy(np.stack([f[block] for f in flat], dtype=np.float64))
 
 
 def weighted_sums(weights: np.ndarray, models: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
