@@ -122,6 +122,21 @@ def protofl_run(home: Path, args: list[str], timeout: float,
         "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=timeout)
 
 
+def start_managed_superlink(bin_dir: Path, env: Mapping[str, str], cwd: Path | None = None) -> subprocess.Popen:
+    """The local SuperLink `flwr run` manages, started as flwr/cli/local_superlink.py starts it: from
+    ``bin_dir``'s ``flower-superlink``, on the ports and Flower home ``env`` names, detached, its log
+    and database under ``<FLWR_HOME>/local-superlink``. Not waited for."""
+    runtime = Path(env["FLWR_HOME"]) / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [str(bin_dir / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+         "--control-api-address", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}", "--host", "127.0.0.1",
+         "--port", env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], "--log-file", str(runtime / "superlink.log"),
+         "--database", str(runtime / "state.db")],
+        cwd=cwd, env=dict(env) | {"FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

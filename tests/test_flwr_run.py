@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from native import free_port, kill_trees, pids_with_argument, wait_for_port
+from native import free_port, kill_trees, pids_with_argument, start_managed_superlink, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -136,15 +136,9 @@ def test_protofl_run_ends_a_stale_superlink_completes_on_busy_cores_and_ctrl_c_s
     SuperLink has the run stopped."""
     command, env = flwr_command(tmp_path, "method='fedavg' num-server-rounds=2", runner="protofl")
     home, gone = Path(env["FLWR_HOME"]), tmp_path / "old-checkout"
-    (home / "local-superlink").mkdir(parents=True)
     gone.mkdir()
-    port, control = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], env["FLWR_LOCAL_CONTROL_API_PORT"]
-    bin_dir = Path(sys.executable).parent
-    stale = subprocess.Popen(  # as flwr.cli.local_superlink starts one
-        [str(bin_dir / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-         "--control-api-address", f"127.0.0.1:{control}", "--host", "127.0.0.1", "--port", port,
-         "--database", str(home / "local-superlink" / "state.db")],
-        cwd=gone, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    port, bin_dir = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], Path(sys.executable).parent
+    stale = start_managed_superlink(bin_dir, env, cwd=gone)  # as flwr.cli.local_superlink starts one
     try:
         wait_for_port("127.0.0.1", int(port), timeout=60)
         gone.rmdir()

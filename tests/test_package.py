@@ -22,7 +22,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from native import free_port, kill_trees, pids_with_argument
+from native import free_port, kill_trees, pids_with_argument, start_managed_superlink
 from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
 
 import protofl
@@ -234,19 +234,11 @@ def installed_from_pips_resolution(python: str, wheel: Path, workdir: Path, env:
     return versions, f"pip resolved in {resolve_seconds:.0f} s, uv installed in {time.monotonic() - installing:.0f} s"
 
 
-def start_local_superlink(bin_dir: Path, home: Path, env: dict, timeout: float) -> None:
-    """The managed local SuperLink, started with the arguments `flwr run` gives it
-    (flwr/cli/local_superlink.py), detached as Flower detaches it, and waited for up to `timeout` s
-    rather than Flower's 15: a `flwr run` then finds it running and takes it."""
-    runtime = home / "local-superlink"
-    runtime.mkdir(parents=True, exist_ok=True)
-    subprocess.Popen(
-        [str(bin_dir / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-         "--control-api-address", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}", "--host", "127.0.0.1",
-         "--port", env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"], "--log-file", str(runtime / "superlink.log"),
-         "--database", str(runtime / "state.db")],
-        env=env | {"FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
+def start_local_superlink(bin_dir: Path, env: dict, timeout: float) -> None:
+    """The managed local SuperLink, started as `flwr run` starts it (:func:`native.start_managed_superlink`)
+    and waited for up to `timeout` s rather than Flower's 15: a `flwr run` then finds it running and
+    takes it."""
+    start_managed_superlink(bin_dir, env)
     health, deadline = f"http://127.0.0.1:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}/health", time.monotonic() + timeout
     while time.monotonic() < deadline:  # ready as Flower asks: its health endpoint answers
         try:
@@ -325,7 +317,7 @@ def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_p
                     break
                 print("flwr run: Flower's local SuperLink did not start within its 15 s; starting it as Flower "
                       "does, waiting for it, and running again")
-                start_local_superlink(bin_dir, home, env, timeout=300)
+                start_local_superlink(bin_dir, env, timeout=300)
         finally:
             kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
         run_seconds = time.monotonic() - running
