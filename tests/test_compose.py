@@ -12,6 +12,7 @@ import tarfile
 from importlib.metadata import version
 from pathlib import Path
 
+import compose_e2e
 import image_check
 import native
 import pytest
@@ -455,3 +456,64 @@ def test_the_image_check_finds_the_canary_in_any_layer_even_one_a_later_layer_de
     assert any("tmp/build/proxy.crt: under the build directory" in f for f in findings)
     in_history = saved_image(base, config=b'{"history": [{"created_by": "ARG CA=' + needles[0] + b'"}]}')
     assert image_check.scan_saved_image(in_history, needles)[1] == ["config.json: holds the canary"]
+
+
+# --- deploy/compose_e2e.py: what the demo's logs may and may not show ---
+
+# From the CI of 44890ee (its compose demo): superexec-clientapp-1 started a ClientApp process after
+# its claim on the task had expired; supernode-1 answered it 401 and the task ran again, in a new
+# process. Frames shortened; supernode-1's lines interleave as compose printed them.
+LATE_CLIENTAPP = """\
+superexec-clientapp-1_1  | Traceback (most recent call last):
+superexec-clientapp-1_1  |   File "/usr/lib/python3.11/threading.py", line 1038, in _bootstrap_inner
+supernode-1_1            | \x1b[91mERROR \x1b[0m:     [/v1/runtime/send-task-heartbeat][ApiError:1008] Runtime task-token authentication failed.
+superexec-clientapp-1_1  |     self.run()
+superexec-clientapp-1_1  |   File "/python/venv/lib/python3.11/site-packages/flwr/supercore/heartbeat.py", line 128, in fn
+superexec-clientapp-1_1  |     res = client.SendTaskHeartbeat(req)
+superexec-clientapp-1_1  |     raise HTTPStatusError(message, request=request, response=self)
+superexec-clientapp-1_1  | httpx.HTTPStatusError: Client error '401 Unauthorized' for url 'http://supernode-1:9094/v1/runtime/send-task-heartbeat'
+superexec-clientapp-1_1  | For more information check: https://developer.mozilla.org/en-US/docs/Web/HTTP/Status/401
+superexec-clientapp-1_1  | \x1b[91mERROR \x1b[0m:     Failed to push task output: Client error '401 Unauthorized' for url 'http://supernode-1:9094/v1/runtime/push-task-output'
+supernode-1_1            | \x1b[92mINFO \x1b[0m:      Sending: evaluate message (ID: 4f4d53d3)
+"""
+STREAM = "INFO :      [ROUND 2]\nINFO :      round 2: GM 0.8812 PM 0.9301\n"
+
+
+def test_the_demo_passes_a_clientapp_process_flower_replaced_after_its_claim_expired():
+    assert compose_e2e.log_problems(LATE_CLIENTAPP, STREAM) == ([], 1)
+    (container, block), = compose_e2e.tracebacks(LATE_CLIENTAPP)
+    assert container == "superexec-clientapp-1_1" and block[-1].startswith("httpx.HTTPStatusError: Client error '401")
+    assert not any("supernode-1" in line for line in block[:-1])  # the other container's lines are left out
+    assert compose_e2e.log_problems(LATE_CLIENTAPP.replace("clientapp-1_1", "clientapp-1-1"), STREAM) == ([], 1)
+
+
+@pytest.mark.parametrize("failure", [
+    # the ClientApp raised: any other error is a failure
+    ("superexec-clientapp-1_1  |     raise HTTPStatusError(message, request=request, response=self)",
+     "superexec-clientapp-1_1  |     raise ValueError('shape (10, 512) != (10, 256)')\n"
+     "superexec-clientapp-1_1  | ValueError: shape (10, 512) != (10, 256)"),
+    # a 401 from another node's SuperNode is not this process's expired claim
+    ("url 'http://supernode-1:9094/v1/runtime/send-task-heartbeat'",
+     "url 'http://supernode-2:9094/v1/runtime/send-task-heartbeat'"),
+    # a 401 on the ServerApp's side
+    ("superexec-clientapp-1_1", "superexec-serverapp_1"),
+    # a 401 from elsewhere than the Runtime API
+    ("/v1/runtime/send-task-heartbeat'", "/v1/fleet/pull-messages'"),
+    # a 403 is not the expired claim's answer
+    ("'401 Unauthorized'", "'403 Forbidden'"),
+], ids=["clientapp-raised", "other-supernode", "serverapp", "not-runtime-api", "forbidden"])
+def test_the_demo_fails_on_any_other_traceback(failure):
+    logs = LATE_CLIENTAPP.replace(*failure)
+    assert logs != LATE_CLIENTAPP
+    problems, late = compose_e2e.log_problems(logs, STREAM)
+    assert late == 0 and len(problems) == 1
+    assert problems[0].startswith("superexec-") and problems[0].splitlines()[-1].split(" | ", 1)[1] in logs
+
+
+def test_the_demo_fails_on_a_reply_the_serverapp_lost():
+    """A ClientApp whose claim expired while it ran (not before it started) loses its reply: Flower
+    sends an error reply in its place, and the ServerApp logs the failure; the demo must fail."""
+    lost = STREAM + ("WARNING :   round 2: a client failed to evaluate: status 2: "
+                     "ClientApp crashed or was lost\n")
+    problems, late = compose_e2e.log_problems(LATE_CLIENTAPP, lost)
+    assert late == 1 and problems == [lost.splitlines()[-1]]
