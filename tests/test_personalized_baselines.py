@@ -26,7 +26,7 @@ from protofl.strategies.creff import (
 from protofl.strategies.fedrod import balanced_softmax_loss, label_distribution
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.models import build_model, trainable_only
-from protofl.task.server_training import shuffles
+from protofl.task.server_training import minibatch_sgd, shuffles
 from protofl.task.weights import get_weights
 
 
@@ -111,6 +111,34 @@ def test_trainable_only_makes_exactly_those_trainable_and_puts_the_flags_back():
         raise RuntimeError
     assert model.head.bias.requires_grad
 
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_server_training_steps_on_one_thread_and_gives_the_thread_count_back(threads):
+    """Server training's small steps run on one CPU thread (task/server_training.py), and the
+    caller's count is back afterwards, after a failure too; the steps are plain SGD: w = 0, loss
+    (w - 1)^2 over one sample per batch, lr 0.25: each step halves the distance to 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seen, weight = [], torch.zeros(1, dtype=torch.float64, requires_grad=True)
+
+        def loss(batch):
+            seen.append(torch.get_num_threads())
+            return ((weight - 1) ** 2).sum() * len(batch)
+
+        minibatch_sgd([weight], loss, 3, 1, 1, 0.25, shuffles(3, torch.Generator().manual_seed(0)))
+        assert seen == [1, 1, 1] and weight.item() == 1 - 0.5 ** 3
+        assert torch.get_num_threads() == threads
+
+        def failing(batch):
+            raise FloatingPointError
+
+        with pytest.raises(FloatingPointError):
+            minibatch_sgd([weight], failing, 3, 1, 1, 0.25, shuffles(3, torch.Generator().manual_seed(0)))
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 # --- clients and servers on digits ----------------------------------------------------------
 

@@ -39,7 +39,7 @@ from protofl.federation.wire import ArraySpec, indexed
 from protofl.strategies.families.averaging import AveragingStrategy, GlobalModelAveraging
 from protofl.strategies.families.model_parts import HEAD
 from protofl.task.models import SplitModel
-from protofl.task.server_training import shuffles
+from protofl.task.server_training import one_cpu_thread, shuffles
 
 CLASSIFIER = "creff-classifier"  # W_syn (broadcast), one array per head parameter
 CLASS_GRADIENTS = "class-gradients"  # uploaded: C x (parameter shape), per head parameter
@@ -139,7 +139,7 @@ def retrain_classifier(classifier: nn.Linear, features: torch.Tensor, epochs: in
     inputs = features.reshape(-1, dim)
     labels = torch.arange(num_classes, device=features.device).repeat_interleave(per_class)
     parameters = [p for p in (classifier.weight, classifier.bias) if p is not None]
-    with torch.no_grad():
+    with torch.no_grad(), one_cpu_thread():  # small steps: one thread (task/server_training.py)
         for _ in range(epochs):
             order = next(orders).to(features.device)
             for start in range(0, len(order), batch_size):
