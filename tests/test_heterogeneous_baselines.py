@@ -145,6 +145,37 @@ def test_fml_and_fedkd_exchange_the_first_architecture_beside_the_clients_own(di
     assert client.exchanged.state_dict().keys() == build_method_model(settings, digits).state_dict().keys()
 
 
+
+@pytest.mark.parametrize("method", ["fml", "fedkd"])
+def test_the_second_model_is_the_threads_kept_one_set_back_as_built(method):
+    """A thread's next message gets the second model the last one trained, every tensor as built,
+    not one built anew; a client outside a message is not given one in use."""
+    from protofl.client_app import release_worker_models
+    from protofl.task.weights import all_tensors
+
+    settings = ExperimentSettings(method=method, dataset="digits", model="htfe2")
+    data = client_data(1)
+    client_class = get_method(method)[1]
+
+    def message(work):
+        return release_worker_models(None, None, lambda _message, _context: work())
+
+    def client():
+        return client_class(settings, data, build_method_model(settings, data), 2, RecordDict())
+
+    message(lambda: None)  # what earlier tests on this thread hold is free
+    first = message(client).exchanged
+    built = {k: v.clone() for k, v in all_tensors(first).items()}
+    with torch.no_grad():
+        for tensor in all_tensors(first).values():
+            tensor.add_(1)
+    second = message(client).exchanged
+    assert second is first
+    assert all(torch.equal(tensor, built[k]) for k, tensor in all_tensors(second).items())
+    held = client().exchanged  # outside a message: in use until one ends
+    assert held is first and client().exchanged is not held
+    assert client().model is not client().exchanged
+
 def test_fedavg_still_refuses_a_model_family(digits):
     settings = ExperimentSettings(method="fedavg", dataset="digits", model="htfe2")
     strategy = get_method("fedavg")[0](settings, build_method_model(settings, digits), 10)

@@ -13,6 +13,7 @@ from torch import nn
 from protofl.federation.client import PrototypeClient
 from protofl.settings import KeptModel
 from protofl.strategies.families.averaging import ParameterAveraging
+from protofl.task.kept_models import kept_model
 from protofl.task.models import SplitModel, build_model, client_architecture
 from protofl.task.precision import uses_channels_last
 
@@ -53,9 +54,13 @@ class SecondModelClient(PrototypeClient):
     """A client that trains the shared model beside its own, in one loop (FML's, FedKD's)."""
 
     def exchanged_model(self) -> SplitModel:
-        """The family's first architecture (the server's model) for every client."""
+        """The family's first architecture (the server's model) for every client: the thread's kept
+        one, set back to its values as built, as the client's own model is
+        (:func:`~protofl.task.kept_models.kept_model`), not one built for every message."""
         d, s = self.data, self.settings
-        model = build_model(client_architecture(s.model, 0), d.in_channels, d.num_classes, d.image_size, s.seed)
+        name = client_architecture(s.model, 0)
+        key = ("second model", name, d.in_channels, d.num_classes, d.image_size, repr(s))
+        model = kept_model(key, lambda: build_model(name, d.in_channels, d.num_classes, d.image_size, s.seed))
         return model.to(self.device, next(self.model.parameters()).dtype)
 
     def train_together(self, this_round, loss, *extra: nn.Module) -> float:
