@@ -20,8 +20,9 @@ def one_cpu_thread() -> Iterator[None]:
     """Within, torch computes on one CPU thread. Server training's tensors are small (a batch of ten
     pairs, a few 512 x 512 layers): a step is a few hundred operations of microseconds each, and
     splitting each across threads only adds their handover, which on a host whose cores are busy
-    waits for a descheduled thread: 9.9-11.3 times slower on two threads than on one, the same
-    values (docs/results/scale.md, benchmarks/server_training.py)."""
+    waits for a descheduled thread: on 2 cores beside other work, 2.6 to 11 times slower on two
+    threads than on one; idle, 0.9 to 1.1 times; the same values (docs/results/scale.md,
+    benchmarks/server_training.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
