@@ -145,7 +145,6 @@ def test_fml_and_fedkd_exchange_the_first_architecture_beside_the_clients_own(di
     assert client.exchanged.state_dict().keys() == build_method_model(settings, digits).state_dict().keys()
 
 
-
 @pytest.mark.parametrize("method", ["fml", "fedkd"])
 def test_the_second_model_is_the_threads_kept_one_set_back_as_built(method):
     """A thread's next message gets the second model the last one trained, every tensor as built,
@@ -174,7 +173,7 @@ def test_the_second_model_is_the_threads_kept_one_set_back_as_built(method):
     assert all(torch.equal(tensor, built[k]) for k, tensor in all_tensors(second).items())
     held = client().exchanged  # outside a message: in use until one ends
     assert held is first and client().exchanged is not held
-    assert client().model is not client().exchanged
+
 
 def test_fedavg_still_refuses_a_model_family(digits):
     settings = ExperimentSettings(method="fedavg", dataset="digits", model="htfe2")

@@ -18,8 +18,9 @@ Client: trains its own model w_i, kept on its node, with CE + (lambda / (2 alpha
 
 Server: PFLlib computes the attention over the previous round's uploads only; protofl over every
 client's latest model (the paper's), the same when every client takes part each round (FedCoSR's
-setting). PM: the client's own model. No GM. Defaults: PFLlib's (alpha_k 1, lambda 1, sigma 1); the paper's were not found, and no
-other implementation's beat Local in FedCoSR's table setting (docs/results/scale.md).
+setting). PM: the client's own model. No GM. Defaults: PFLlib's (alpha_k 1, lambda 1, sigma 1);
+the paper's were not found, and no other implementation's beat Local in FedCoSR's table setting
+(docs/results/scale.md).
 """
 
 from __future__ import annotations
