@@ -14,6 +14,7 @@ printed. Writes ``<out>/server_training.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing
@@ -43,7 +44,8 @@ def spin() -> None:
 def fedtgp(prototypes: torch.Tensor, labels: torch.Tensor, num_classes: int, epochs: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     module = TrainablePrototypes(num_classes, prototypes.shape[1]).double()
-    train_prototypes(module, prototypes, labels, 1.0, epochs, 0.1, 10, shuffles(len(labels), torch.Generator().manual_seed(0)))
+    orders = shuffles(len(labels), torch.Generator().manual_seed(0))
+    train_prototypes(module, prototypes, labels, 1.0, epochs, 0.1, 10, orders)
     return [p.detach() for p in module.parameters()]
 
 
@@ -62,7 +64,7 @@ def timed(train, threads: int | None, repeats: int) -> tuple[float, list[torch.T
     best, out = float("inf"), []
     for _ in range(repeats):
         if threads is None:
-            server_training.one_cpu_thread = lambda: __import__("contextlib").nullcontext()
+            server_training.one_cpu_thread = contextlib.nullcontext
         try:
             start = time.perf_counter()
             out = train()
