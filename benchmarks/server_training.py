@@ -57,20 +57,20 @@ def fedgh(prototypes: torch.Tensor, labels: torch.Tensor, num_classes: int, epoc
     return list(trained.values())
 
 
-def timed(train, threads: int | None, repeats: int) -> tuple[float, list[torch.Tensor]]:
-    """The fastest of ``repeats`` runs of ``train``: on torch's thread count (``threads`` None: its
-    own one_cpu_thread made a no-op), else on one thread as protofl runs it."""
+def timed(train, threaded: bool, repeats: int) -> tuple[float, list[torch.Tensor]]:
+    """The fastest of ``repeats`` runs of ``train``: on torch's thread count (``threaded``: its
+    one_cpu_thread made a no-op), else on one thread as protofl runs it."""
     real = server_training.one_cpu_thread
+    if threaded:
+        server_training.one_cpu_thread = contextlib.nullcontext
     best, out = float("inf"), []
-    for _ in range(repeats):
-        if threads is None:
-            server_training.one_cpu_thread = contextlib.nullcontext
-        try:
+    try:
+        for _ in range(repeats):
             start = time.perf_counter()
             out = train()
             best = min(best, time.perf_counter() - start)
-        finally:
-            server_training.one_cpu_thread = real
+    finally:
+        server_training.one_cpu_thread = real
     return best, out
 
 
@@ -95,8 +95,8 @@ def main() -> None:
         try:
             for name, train in (("fedtgp", fedtgp), ("fedgh", fedgh)):
                 run = lambda: train(prototypes, labels, args.classes, args.epochs)  # noqa: E731
-                threaded, a = timed(run, None, args.repeats)
-                single, b = timed(run, 1, args.repeats)
+                threaded, a = timed(run, True, args.repeats)
+                single, b = timed(run, False, args.repeats)
                 difference = max(float((x - y).abs().max()) for x, y in zip(a, b))
                 row = {"method": name, "busy": busy, "threads": torch.get_num_threads(), "threaded_s": threaded,
                        "one_thread_s": single, "ratio": threaded / single, "largest_difference": difference}

@@ -270,10 +270,11 @@ def log_problems(logs: str, output: str) -> tuple[list[str], int]:
     not a late ClientApp's, with its container; each lost reply the ServerApp logged), and how many
     late ClientApp processes Flower replaced."""
     found = tracebacks(logs)
+    late = [expired_claim(container, block) for container, block in found]
     problems = ["\n".join(f"{container} | {line}" for line in block)
-                for container, block in found if not expired_claim(container, block)]
+                for (container, block), replaced in zip(found, late) if not replaced]
     problems += [line for line in output.splitlines() if LOST_REPLY in line]
-    return problems, sum(expired_claim(container, block) for container, block in found)
+    return problems, sum(late)
 
 
 def run(home: Path, name: str, compose: list[str], front: str = "message") -> None:
