@@ -241,9 +241,15 @@ CLIENTAPP_CONTAINER = re.compile(r"^superexec-clientapp-(\d+)[-_]\d+$")
 LOST_REPLY = "a client failed to"  # protofl/federation/server_core.py: logged_failures
 
 
+# A traceback's error line: the exception's (qualified) name, then its message, if any. A line of the
+# same container that is neither indented nor this (a log record, "For more information check: ...")
+# is another thread's, logged while the traceback was being written.
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(:|$)")
+
+
 def tracebacks(logs: str) -> list[tuple[str, list[str]]]:
-    """Each traceback in compose's logs: its container, and its lines (other containers' lines left
-    out) from "Traceback" to its error line, the first that is not indented."""
+    """Each traceback in compose's logs: its container, and its lines (other containers' lines and
+    its own container's other threads' left out) from "Traceback" to its error line (ERROR_LINE)."""
     lines = [(m.group(1), m.group(2)) if (m := LOG_LINE.match(line)) else ("", line) for line in logs.splitlines()]
     found = []
     for start, (container, text) in enumerate(lines):
@@ -251,10 +257,15 @@ def tracebacks(logs: str) -> list[tuple[str, list[str]]]:
             continue
         block = [text]
         for other, following in lines[start + 1:]:
-            if other == container:
+            if other != container or not following:
+                continue
+            if following[0].isspace():
                 block.append(following)
-                if following and not following[0].isspace() and not following.startswith("Traceback"):
-                    break
+            elif following.startswith("Traceback"):  # no error line: the next one is not this one's
+                break
+            elif ERROR_LINE.match(following):
+                block.append(following)
+                break
         found.append((container, block))
     return found
 

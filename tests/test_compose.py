@@ -487,6 +487,36 @@ def test_the_demo_passes_a_clientapp_process_flower_replaced_after_its_claim_exp
     assert compose_e2e.log_problems(LATE_CLIENTAPP.replace("clientapp-1_1", "clientapp-1-1"), STREAM) == ([], 1)
 
 
+# From the CI of d7c750c (its compose demo): the late process's other thread logged its own failed
+# push in the middle of its heartbeat thread's traceback, the httpx message's second line with it.
+LATE_CLIENTAPP_INTERLEAVED = """\
+superexec-clientapp-1_1  | Traceback (most recent call last):
+superexec-clientapp-1_1  |   File "/usr/lib/python3.11/threading.py", line 1038, in _bootstrap_inner
+superexec-clientapp-1_1  | \x1b[92mINFO \x1b[0m:      Task stopped.
+superexec-clientapp-1_1  |     self.run()
+superexec-clientapp-1_1  |   File "/python/venv/lib/python3.11/site-packages/flwr/supercore/runtime/runtime_http_client.py", line 88, in SendTaskHeartbeat
+superexec-clientapp-1_1  | \x1b[91mERROR \x1b[0m:     Failed to push task output: Client error '401 Unauthorized' for url 'http://supernode-1:9094/v1/runtime/push-task-output'
+superexec-clientapp-1_1  | For more information check: https://developer.mozilla.org/en-US/docs/Web/HTTP/Status/401
+superexec-clientapp-1_1  |     return self._unary_unary(
+superexec-clientapp-1_1  |     raise HTTPStatusError(message, request=request, response=self)
+superexec-clientapp-1_1  | httpx.HTTPStatusError: Client error '401 Unauthorized' for url 'http://supernode-1:9094/v1/runtime/send-task-heartbeat'
+superexec-clientapp-1_1  | For more information check: https://developer.mozilla.org/en-US/docs/Web/HTTP/Status/401
+"""
+
+
+def test_a_late_clientapps_traceback_ends_at_its_error_line_past_its_other_threads_records():
+    (container, block), = compose_e2e.tracebacks(LATE_CLIENTAPP_INTERLEAVED)
+    assert block[-1].startswith("httpx.HTTPStatusError: Client error '401")
+    assert not any("Task stopped" in line or "Failed to push" in line or "information" in line for line in block)
+    assert compose_e2e.log_problems(LATE_CLIENTAPP_INTERLEAVED, STREAM) == ([], 1)
+    # the same interleaving around any other error is still a failure
+    raised = LATE_CLIENTAPP_INTERLEAVED.replace(
+        "httpx.HTTPStatusError: Client error '401 Unauthorized' for url 'http://supernode-1:9094/v1/runtime/send-task-heartbeat'",
+        "ValueError: shape (10, 512) != (10, 256)")
+    problems, late = compose_e2e.log_problems(raised, STREAM)
+    assert late == 0 and problems[0].endswith("| ValueError: shape (10, 512) != (10, 256)")
+
+
 @pytest.mark.parametrize("failure", [
     # the ClientApp raised: any other error is a failure
     ("superexec-clientapp-1_1  |     raise HTTPStatusError(message, request=request, response=self)",
