@@ -272,10 +272,11 @@ def register_keys(home: Path, keys: list[Path]) -> None:
 
 
 def start_behind_edge(deployment: NativeDeployment, link: tuple[str, int], public: tuple[str, int],
-                      tunnel: tuple[str, int], nodes: list[tuple[str, int, str | None]], operator: Path) -> None:
+                      tunnel: tuple[str, int], nodes: list[tuple[str, int, str | None]], operator: Path) -> dict[str, str]:
     """The TLS + SuperNode-auth federation with the SuperLink at ``link``, the edge on ``public``
     (which the SuperNodes dial) and the operator's tunnel (deploy/operator_tunnel.py) on ``tunnel``,
-    through which ``operator`` (a Flower home, :func:`cli_home`) registers the SuperNodes' keys."""
+    through which ``operator`` (a Flower home, :func:`cli_home`) registers the SuperNodes' keys.
+    Returns the address replacements of a SuperNode's command line (its SuperLink: the edge)."""
     credentials = deployment.credentials
 
     def edge_tunnel_and_keys() -> None:
@@ -286,8 +287,9 @@ def start_behind_edge(deployment: NativeDeployment, link: tuple[str, int], publi
         wait_for_port(*tunnel, timeout=30)
         register_keys(operator, [credentials / f"supernode-{i}.pub" for i in range(1, len(nodes) + 1)])
 
-    start_federation(deployment, load_compose("tls", "auth"), link, nodes, before_nodes=edge_tunnel_and_keys,
-                     node_link=f"{public[0]}:{public[1]}")
+    addresses = start_federation(deployment, load_compose("tls", "auth"), link, nodes,
+                                 before_nodes=edge_tunnel_and_keys, node_link=f"{public[0]}:{public[1]}")
+    return addresses | {"superlink:8000": f"{public[0]}:{public[1]}"}
 
 
 def cli_home(directory: Path, address: str, root_certificates: Path | None = None) -> Path:

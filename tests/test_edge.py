@@ -8,8 +8,10 @@ same calls straight to the SuperLink, the port this variant used to publish, suc
 is killed by process group.
 """
 
+import http.client
 import json
 import os
+import ssl
 import time
 from pathlib import Path
 
@@ -39,16 +41,16 @@ def federation(tmp_path_factory):
     require_nginx()
     tmp = tmp_path_factory.mktemp("edge")
     credentials, stranger = tmp / "credentials", tmp / "stranger"
-    make_credentials(credentials, [], NUM_NODES)
+    make_credentials(credentials, [], NUM_NODES + 1)  # the last key is never registered
     make_credentials(stranger, [], 0)  # another CA: its operator certificate means nothing here
     deployment = native.NativeDeployment(tmp / "services", native.environment(), credentials=credentials)
     link, public, tunnel = (("127.0.0.1", native.free_port()) for _ in range(3))
     operator = native.cli_home(tmp / "operator", f"{tunnel[0]}:{tunnel[1]}")  # plain HTTP to the tunnel
     nodes = [("127.0.0.1", native.free_port(), None) for _ in range(NUM_NODES)]
     try:
-        native.start_behind_edge(deployment, link, public, tunnel, nodes, operator)
-        yield {"tmp": tmp, "deployment": deployment, "ca": credentials / "ca.crt", "stranger": stranger,
-               "link": link, "public": public, "operator": operator}
+        addresses = native.start_behind_edge(deployment, link, public, tunnel, nodes, operator)
+        yield {"tmp": tmp, "deployment": deployment, "credentials": credentials, "ca": credentials / "ca.crt",
+               "stranger": stranger, "link": link, "public": public, "operator": operator, "addresses": addresses}
     finally:
         deployment.stop()
 
@@ -123,6 +125,75 @@ def test_supernodes_and_the_operator_run_through_the_edge(federation):
     assert run_id in listed.stdout, listed.stdout + listed.stderr
     stopped = native.flwr(operator, ["stop", run_id, "deployment"], timeout=60)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def test_supernode_auth_refuses_an_unregistered_key_and_admits_whoever_registers_one(federation):
+    """After the run above: a SuperNode whose key was never registered is refused through the edge,
+    and the registered ones still serve. Yet SuperNode authentication keeps no one out by itself:
+    whoever reaches the SuperLink's own port registers a key through its Control API with no
+    credentials at all (docs/deployment/threat-model.md); the edge is what keeps that API to the
+    operator (test_outsiders_reach_neither_the_control_nor_the_runtime_api)."""
+    deployment, credentials = federation["deployment"], federation["credentials"]
+    # the last node's command line with the key no one registered
+    last, unregistered = f"credentials/supernode-{NUM_NODES}", f"credentials/supernode-{NUM_NODES + 1}"
+    stranger = native.service_command(native.load_compose("tls", "auth"), f"supernode-{NUM_NODES}", "127.0.0.1",
+                                      native.free_port(), federation["addresses"] | {last: unregistered})
+    assert unregistered in stranger and "--root-certificates" in stranger
+    assert "{}:{}".format(*federation["public"]) in stranger  # it dials the edge, as the registered nodes do
+    refused = deployment.start("stranger", stranger)
+    assert refused.wait(timeout=120) != 0, deployment.log("stranger")
+    assert "Failed to activate SuperNode" in deployment.log("stranger")
+    for i in range(1, NUM_NODES + 1):
+        assert deployment.processes[f"supernode-{i}"].poll() is None  # still serving
+
+    node_id = register_as_a_stranger(federation["link"], credentials / f"supernode-{NUM_NODES + 1}.pub")
+    admitted = deployment.start("admitted-stranger", stranger)  # the command line refused above
+    try:
+        assert wait_for_status(federation["operator"], node_id, "online", timeout=120), \
+            deployment.log("admitted-stranger")
+        assert admitted.poll() is None
+        assert "Failed to activate SuperNode" not in deployment.log("admitted-stranger")
+    finally:
+        native.kill_trees([admitted.pid])
+        admitted.wait(timeout=30)
+
+
+def register_as_a_stranger(address: tuple[str, int], public_key: Path) -> int:
+    """``register-node`` on the Control API at ``address`` as someone who holds nothing of the
+    deployment: TLS that checks no certificate (no ca.crt), no client certificate, no account.
+    Returns the node id the SuperLink gave the key."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.proto.control_pb2 import RegisterNodeRequest, RegisterNodeResponse
+
+    key = serialization.load_ssh_public_key(public_key.read_bytes())
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    connection = http.client.HTTPSConnection(*address, context=context, timeout=30)
+    try:
+        connection.request("POST", "/v1/control/register-node", RegisterNodeRequest(public_key=pem).SerializeToString(),
+                           headers={"Content-Type": "application/protobuf", "Accept": "application/protobuf"})
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200, (response.status, body[:500])
+    reply = RegisterNodeResponse()
+    reply.ParseFromString(body)
+    assert reply.node_id
+    return reply.node_id
+
+
+def wait_for_status(cli_home: Path, node_id: int, status: str, timeout: float) -> bool:
+    """Whether ``flwr supernode list`` shows the node with ``status`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = native.flwr(cli_home, ["supernode", "list", "deployment", "--format", "json"], timeout=60)
+        nodes = json.loads(listed.stdout).get("nodes", []) if listed.returncode == 0 else []
+        if any(node["node-id"] == str(node_id) and node["status"] == status for node in nodes):
+            return True
+        time.sleep(2)
+    return False
 
 
 @pytest.mark.parametrize("operator, status", [("mtls", 403), ("loopback", 502)])
