@@ -1,4 +1,4 @@
-"""A real loopback deployment (docker-compose.yml's command lines, three SuperNodes, none with a
+"""A real loopback deployment (docker-compose.yml's command lines, its two SuperNodes, none with a
 ``state-dir``: each ClientApp keeps its state under its Flower home, the deployment default) loses
 its ServerApp and one SuperNode in round 3 of 4; the SuperNode is restarted,
 `flwr run ... resume=true` finishes the run, and every round equals the same run made without
@@ -14,7 +14,6 @@ import pytest
 import torch
 from inprocess import run_in_process
 from native import children_of, kill_trees
-from test_hostile_deployment import NUM_NODES, three_node_compose
 from test_resume import assert_same_rounds, wait_for_round
 
 from protofl.federation.checkpoint import Checkpoint
@@ -24,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 RUN = {"method": "fedproto", "num-server-rounds": 4, "local-epochs": 1, "checkpoint-every": 2,
        "global-test-pm-per-class": 10, "min-fit-clients": 2}
+NUM_NODES = 2
 KILLED_NODE = 2  # supernode-2, partition 1
 
 
@@ -36,7 +36,7 @@ def deployment(tmp_path):
 
 def compose_without_state_dirs() -> dict:
     """The compose demo's command lines without their state-dir: the deployment default."""
-    compose = three_node_compose()
+    compose = native.load_compose()
     for i in range(1, NUM_NODES + 1):
         command = compose["services"][f"supernode-{i}"]["command"]
         at = command.index("--node-config") + 1
