@@ -28,7 +28,7 @@ NUM_NODES = 2
 RUN_TIMEOUT = 420
 
 
-def _run(tmp_path, cli_home, name, extra="", method="fedproto"):
+def _run(tmp_path, cli_home, name, method, extra=""):
     run_config = f"method='{method}' num-server-rounds=2 output-dir='{tmp_path}' run-name='{name}'{extra}"
     run = native.protofl_run(cli_home, [str(ROOT), "deployment", "--run-config", run_config], timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]  # a remote run that completed
@@ -44,7 +44,7 @@ def _stop(deployment):
 
 @pytest.fixture
 def deployment(tmp_path):
-    started = native.NativeDeployment(tmp_path / "services", native.environment(), credentials=tmp_path / "credentials")
+    started = native.NativeDeployment(tmp_path / "services", native.environment())
     yield started
     _stop(started)
 
@@ -73,7 +73,7 @@ def insecure(tmp_path_factory):
         native.start_federation(started, native.load_compose(), link, nodes)
         cli_home = native.cli_home(tmp / "cli-home", f"{link[0]}:{link[1]}")
         trackers = " tracker='tensorboard,mlflow'" if TRACKERS else ""
-        results = _run(tmp, cli_home, "scaffold", f" flower-api='legacy'{trackers}", method="scaffold")
+        results = _run(tmp, cli_home, "scaffold", "scaffold", f" flower-api='legacy'{trackers}")
         crossed = None if network is None else {v: network.traffic_bytes(v) - b for v, b in before.items()}
     finally:
         _stop(started)
