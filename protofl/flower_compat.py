@@ -7,7 +7,9 @@ module and protofl/supernode.py, without torch).
 - :func:`wrap_supernode_connection`: the SuperNode's connection factory
   (``flwr.supernode.start_client_internal._init_connection``) and the 8-item tuple it yields;
 - :func:`replace_server_fn` and :func:`server_of`: a ``ServerApp``'s ``_server_fn`` (what builds
-  the components of a run, set at construction) and ``_server`` (the ``Server`` it built).
+  the components of a run, set at construction) and ``_server`` (the ``Server`` it built);
+- :func:`start_local_superlink`: the CLI's managed local SuperLink (``flwr.cli.local_superlink``:
+  ``_is_local_superlink_started``, ``_start_local_superlink`` and the startup timeout it reads).
 """
 
 from __future__ import annotations
@@ -53,3 +55,22 @@ def replace_server_fn(app: "ServerApp", server_fn: Callable[..., Any]) -> None:
 def server_of(app: "ServerApp") -> "Server | None":
     """The ``Server`` that ``app``'s last run built (None before it ran)."""
     return app._server
+
+
+def start_local_superlink(in_memory: bool, patience: float) -> str | None:
+    """Start the managed local SuperLink that `flwr run` starts for a ``:local:`` connection
+    (``:local-in-memory:``: ``in_memory``), as Flower starts it (its command, its log file, this
+    process's environment), unless one answers on the port already; wait up to ``patience`` seconds
+    for it to answer, where Flower waits 15 s and then kills it: on two cores shared with other work
+    its start has taken longer. None once it answers, else Flower's reason."""
+    import click
+    from flwr.cli import local_superlink as managed
+
+    if managed._is_local_superlink_started():
+        return None
+    managed.LOCAL_SUPERLINK_STARTUP_TIMEOUT = patience
+    try:
+        managed._start_local_superlink(in_memory)
+    except click.ClickException as error:
+        return error.format_message()
+    return None

@@ -9,7 +9,10 @@ arguments, streams the same output, then asks the SuperLink for the run's final 
 - Ctrl-C stops the run on the SuperLink (`flwr stop`) and exits 130.
 
 Before a run on the managed local SuperLink (a ``:local:`` connection) it checks that SuperLink
-(:mod:`protofl.local_superlink`): a stale one is ended, another environment's refused.
+(:mod:`protofl.local_superlink`): a stale one is ended, another environment's refused. Where none
+answers, it starts one as `flwr run` would, but waits up to :data:`SUPERLINK_PATIENCE` seconds for
+it, where `flwr run` gives up after 15 s (in a CI whose two cores ran three test sessions and a
+docker build, it did).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ import tomllib
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from protofl import local_superlink
+from protofl import flower_compat, local_superlink
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED = re.compile(r"Successfully started run (\d+)")
 ROUND_LINE = re.compile(r"\bround \d+: .*\bup [\d.]+ MB, down [\d.]+ MB \| [\d.]+ s\s*$")  # report.progress_line
 RUN_DIRECTORY = re.compile(r"results (?:go to|written to) (\S.*?)\s*$")
 COMPLETED = "finished:completed"
+SUPERLINK_PATIENCE = 180.0  # seconds a managed local SuperLink may take to answer
 INTERRUPTED = 130
 
 
@@ -163,14 +167,16 @@ def flwr_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
-    local = connection_address(args.superlink) in (":local:", ":local-in-memory:")
+    os.environ.update(flwr_environment(os.environ))  # `flwr run`'s, and a SuperLink's started here
+    address = connection_address(args.superlink)
+    local = address in (":local:", ":local-in-memory:")
     if local:
-        refusal = local_superlink.check()
+        refusal = local_superlink.check() or flower_compat.start_local_superlink(
+            address == ":local-in-memory:", SUPERLINK_PATIENCE)
         if refusal:
             print(f"protofl run: {refusal}", flush=True)
             return 1
     process = subprocess.Popen(flwr_run_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=flwr_environment(os.environ),
                                text=True, errors="replace", bufsize=1)
     run_id, rounds, run_directory = None, 0, None
     try:

@@ -5,12 +5,18 @@ here, not in a deployment."""
 import ast
 import contextlib
 import inspect
+import os
+import signal
+import sys
 import types
 
 from flwr.app import RecordDict
+from flwr.cli import local_superlink as managed
 from flwr.common import Context
 from flwr.server import History, Server, ServerApp, ServerAppComponents, ServerConfig, SimpleClientManager
 from flwr.supernode import start_client_internal
+
+from native import free_port
 
 from protofl import flower_compat
 
@@ -85,3 +91,50 @@ def test_a_server_app_runs_the_server_fn_put_in_its_place_and_keeps_the_server_i
     flower_compat.replace_server_fn(app, server_fn)
     app(Grid(), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert len(built) == 1 and flower_compat.server_of(app) is built[0]
+
+
+FAKE_SUPERLINK = """#!{python}
+import http.server, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open(os.path.join(os.environ["FLWR_HOME"], "started"), "a") as started:
+    started.write(f"{{os.getpid()}}\\n")
+time.sleep(float(os.environ["FAKE_SUPERLINK_DELAY"]))
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_the_local_superlink_is_waited_for_as_long_as_protofl_says_not_flowers_15_s(tmp_path, monkeypatch):
+    """A ``flower-superlink`` (here a stand-in that answers ``/health`` after 1.5 s) gets the
+    patience given: 1 s is too short, and Flower's reason comes back (its process ended); 30 s is
+    enough, and one that answers is not started again."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "flower-superlink").write_text(FAKE_SUPERLINK.format(python=sys.executable))
+    (bin_dir / "flower-superlink").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    monkeypatch.setenv("FAKE_SUPERLINK_DELAY", "1.5")
+    monkeypatch.setattr(managed, "LOCAL_SUPERLINK_HTTP_API_PORT", str(free_port()))
+    monkeypatch.setattr(managed, "LOCAL_SUPERLINK_STARTUP_TIMEOUT", managed.LOCAL_SUPERLINK_STARTUP_TIMEOUT)
+    started = tmp_path / "started"
+    try:
+        reason = flower_compat.start_local_superlink(in_memory=False, patience=1.0)
+        assert reason is not None and "within 1s" in reason and not managed._is_local_superlink_started()
+        assert flower_compat.start_local_superlink(in_memory=False, patience=30.0) is None
+        assert managed._is_local_superlink_started()
+        assert flower_compat.start_local_superlink(in_memory=False, patience=30.0) is None
+    finally:  # this process's children (Flower killed the first): ended and reaped
+        for pid in map(int, started.read_text().split() if started.exists() else []):
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    assert len(started.read_text().split()) == 2
