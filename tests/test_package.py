@@ -14,7 +14,6 @@ import sysconfig
 import tarfile
 import time
 import tomllib
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from native import free_port, kill_trees, pids_with_argument, start_managed_superlink
+from native import free_port, kill_trees, pids_with_argument
 from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
 
 import protofl
@@ -234,19 +233,14 @@ def installed_from_pips_resolution(python: str, wheel: Path, workdir: Path, env:
     return versions, f"pip resolved in {resolve_seconds:.0f} s, uv installed in {time.monotonic() - installing:.0f} s"
 
 
-def start_local_superlink(bin_dir: Path, env: dict, timeout: float) -> None:
-    """The managed local SuperLink, started as `flwr run` starts it (:func:`native.start_managed_superlink`)
-    and waited for up to `timeout` s rather than Flower's 15: a `flwr run` then finds it running and
-    takes it."""
-    start_managed_superlink(bin_dir, env)
-    health, deadline = f"http://127.0.0.1:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}/health", time.monotonic() + timeout
-    while time.monotonic() < deadline:  # ready as Flower asks: its health endpoint answers
-        try:
-            with urllib.request.urlopen(health, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"the local SuperLink did not answer {health} within {timeout:.0f} s")
+def start_local_superlink(bin_dir: Path, env: dict, cwd: Path, timeout: float) -> None:
+    """The managed local SuperLink, started by the installed protofl as `protofl run` starts it
+    (Flower's own start, waited for up to ``timeout`` s rather than Flower's 15): a `flwr run` then
+    finds it running and takes it."""
+    code = ("import sys; from protofl.flower_compat import start_local_superlink; "
+            f"sys.exit(start_local_superlink(False, {timeout}))")  # its reason, if any, on stderr, exit 1
+    started = run_in(bin_dir, [str(bin_dir / "python"), "-c", code], cwd, env, timeout=timeout + 60)
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -317,7 +311,7 @@ def test_the_wheel_with_what_pip_resolves_from_the_index_runs_the_main_job(tmp_p
                     break
                 print("flwr run: Flower's local SuperLink did not start within its 15 s; starting it as Flower "
                       "does, waiting for it, and running again")
-                start_local_superlink(bin_dir, env, timeout=300)
+                start_local_superlink(bin_dir, env, tmp_path, timeout=300)
         finally:
             kill_trees(pids_with_argument(str(home)))  # the managed SuperLink and what it started
         run_seconds = time.monotonic() - running
