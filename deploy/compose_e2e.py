@@ -238,6 +238,13 @@ LOG_LINE = re.compile(r"^(\S+)\s+\| ?(.*)$")
 EXPIRED_CLAIM = re.compile(r"^httpx\.HTTPStatusError: Client error '401 Unauthorized' for url "
                            r"'https?://supernode-(\d+):\d+/v1/runtime/")
 CLIENTAPP_CONTAINER = re.compile(r"^superexec-clientapp-(\d+)[-_]\d+$")
+# A ClientApp process stops on SIGINT, and nothing but Flower's own code sends it one during a run:
+# its Runtime API client on a 401, its heartbeat on a beat the SuperNode refuses (the task finished),
+# its parent's monitor. The first signal runs Flower's graceful exit ("Task stopped.") and restores
+# Python's handler; a second one while the process is still exiting (a loaded host exits slowly, and
+# the heartbeat keeps beating until the exit stops it) ends it with a KeyboardInterrupt traceback.
+# Whether its reply arrived is what the run's results and LOST_REPLY say.
+STOP_SIGNAL = "KeyboardInterrupt"
 LOST_REPLY = "a client failed to"  # protofl/federation/server_core.py: logged_failures
 
 
@@ -270,22 +277,23 @@ def tracebacks(logs: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def expired_claim(container: str, block: list[str]) -> bool:
-    """Whether a traceback is a late ClientApp process's, answered 401 by its own SuperNode (EXPIRED_CLAIM)."""
+def stopped_by_flower(container: str, block: list[str]) -> bool:
+    """Whether a traceback is a ClientApp process's that Flower stopped itself: a late one, answered
+    401 by its own SuperNode (EXPIRED_CLAIM), or one a second stop signal ended (STOP_SIGNAL)."""
     owner, error = CLIENTAPP_CONTAINER.match(container), EXPIRED_CLAIM.match(block[-1])
-    return bool(owner and error and owner.group(1) == error.group(1))
+    return bool(owner and (block[-1].strip() == STOP_SIGNAL or (error and owner.group(1) == error.group(1))))
 
 
 def log_problems(logs: str, output: str) -> tuple[list[str], int]:
     """What the containers' logs and the run's streamed output say went wrong (each traceback that is
-    not a late ClientApp's, with its container; each lost reply the ServerApp logged), and how many
-    late ClientApp processes Flower replaced."""
+    not of a ClientApp process Flower stopped, with its container; each lost reply the ServerApp
+    logged), and how many tracebacks of ClientApp processes Flower stopped there were."""
     found = tracebacks(logs)
-    late = [expired_claim(container, block) for container, block in found]
+    stopped = [stopped_by_flower(container, block) for container, block in found]
     problems = ["\n".join(f"{container} | {line}" for line in block)
-                for (container, block), replaced in zip(found, late) if not replaced]
+                for (container, block), by_flower in zip(found, stopped) if not by_flower]
     problems += [line for line in output.splitlines() if LOST_REPLY in line]
-    return problems, sum(late)
+    return problems, sum(stopped)
 
 
 def run(home: Path, name: str, compose: list[str], front: str = "message") -> None:
@@ -296,15 +304,15 @@ def run(home: Path, name: str, compose: list[str], front: str = "message") -> No
     native.check_fedproto_results(results, NUM_NODES)
     logs = subprocess.run([*compose, "logs", "--no-color", *SERVICES], capture_output=True, text=True,
                           timeout=120, check=True).stdout
-    problems, late = log_problems(logs, output)
+    problems, stopped = log_problems(logs, output)
     if problems:
         sys.exit(f"the logs show a failure: {problems[0].splitlines()[-1]}\n" + "\n[...]\n".join(problems[:3]))
     for service in SERVICES:  # every service ran (compose prefixes each line with its container)
         if f"{service}_" not in logs and f"{service}-" not in logs:
             sys.exit(f"no log lines from {service}")
     print(f"{name}: results.json checked ({NUM_NODES} clients, 2 rounds), no failure in the logs"
-          + (f" ({late} ClientApp processes started after their claim expired; Flower ran their tasks again)"
-             if late else ""))
+          + (f" ({stopped} tracebacks of ClientApp processes Flower stopped itself: a claim that expired "
+             "before the process started, or a second stop signal while it exited)" if stopped else ""))
     check_hardening(compose)
 
 

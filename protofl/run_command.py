@@ -4,8 +4,9 @@ Flower's CLI exits 0 whatever becomes of the run it started. ``protofl run`` tak
 arguments, streams the same output, then asks the SuperLink for the run's final status:
 
 - exit 0 only for ``finished:completed`` with at least one round line on the stream;
-- otherwise 1, with one last line naming the status and the cause (the SuperLink's details, the
-  run's results.json ``stopped``, or what the stream lacked);
+- otherwise 1, with one last line naming the status and the cause (the run's results.json
+  ``stopped``, or the SuperLink's details and the stream's first error line, or what the stream
+  lacked);
 - Ctrl-C stops the run on the SuperLink (`flwr stop`) and exits 130.
 
 Before a run on the managed local SuperLink (a ``:local:`` connection) it checks that SuperLink
@@ -36,6 +37,10 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED = re.compile(r"Successfully started run (\d+)")
 ROUND_LINE = re.compile(r"\bround \d+: .*\bup [\d.]+ MB, down [\d.]+ MB \| [\d.]+ s\s*$")  # report.progress_line
 RUN_DIRECTORY = re.compile(r"results (?:go to|written to) (\S.*?)\s*$")
+# a traceback's error line, as Python writes it (unindented): the first one on the stream is where a
+# failed simulation's trouble began (Flower's details name only its own wrapper, "An error was
+# encountered. Ending simulation.", where the first is e.g. Ray's node that did not start in time)
+STREAM_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*$")
 COMPLETED = "finished:completed"
 SUPERLINK_PATIENCE = 180.0  # seconds a managed local SuperLink may take to answer
 INTERRUPTED = 130
@@ -116,9 +121,10 @@ def stopped_reason(run_directory: str | None) -> str | None:
 
 
 def verdict(run_id: str | None, status: str, details: str, rounds: int, run_directory: str | None,
-            start_error: str | None = None) -> tuple[int, str]:
-    """(exit code, the last line) of a run from what the stream and the SuperLink said, and for a
-    task that never reported, what stops it from starting (``start_error``)."""
+            start_error: str | None = None, stream_error: str | None = None) -> tuple[int, str]:
+    """(exit code, the last line) of a run from what the stream and the SuperLink said (the stream's
+    first error line, ``stream_error``, beside the SuperLink's details), and for a task that never
+    reported, what stops it from starting (``start_error``)."""
     if run_id is None:
         return 1, "protofl run: no run was started (see `flwr run`'s output above)"
     if status == COMPLETED and rounds:
@@ -126,8 +132,12 @@ def verdict(run_id: str | None, status: str, details: str, rounds: int, run_dire
     if status == COMPLETED:
         cause = "its stream ended without a round line"
     else:
-        cause = stopped_reason(run_directory) or (details if details not in ("", "N/A") else None) or (
-            "no cause recorded" if rounds else "its stream ended without a round line")
+        cause = stopped_reason(run_directory)
+        if cause is None:
+            cause = (details if details not in ("", "N/A") else None) or (
+                "no cause recorded" if rounds else "its stream ended without a round line")
+            if stream_error and stream_error.split(": ", 1)[1] not in cause:  # its message, not its name
+                cause += f" (the stream's first error: {stream_error})"
     if "No heartbeat" in cause:
         cause += f": its task died before it started ({start_error or 'its output is discarded by the SuperExec'})"
     return 1, f"protofl run: run {run_id} {status}: {cause}"
@@ -178,7 +188,7 @@ def main(argv: Sequence[str]) -> int:
             return 1
     process = subprocess.Popen(flwr_run_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, errors="replace", bufsize=1)
-    run_id, rounds, run_directory = None, 0, None
+    run_id, rounds, run_directory, stream_error = None, 0, None, None
     try:
         for line in process.stdout:
             sys.stdout.write(line)
@@ -189,6 +199,8 @@ def main(argv: Sequence[str]) -> int:
             rounds += bool(ROUND_LINE.search(plain))
             if found := RUN_DIRECTORY.search(plain):
                 run_directory = found.group(1)
+            if stream_error is None and (error := STREAM_ERROR.match(plain.rstrip())):
+                stream_error = error.group(0)
         process.wait()
         status, details = final_status(run_id, args.superlink) if run_id is not None else ("", "")
     except KeyboardInterrupt:
@@ -198,6 +210,6 @@ def main(argv: Sequence[str]) -> int:
     start_error = None
     if local and "No heartbeat" in details and (superlink := local_superlink.find()):
         start_error = local_superlink.task_start_error(superlink)
-    code, last = verdict(run_id, status, details, rounds, run_directory, start_error)
+    code, last = verdict(run_id, status, details, rounds, run_directory, start_error, stream_error)
     print(last, flush=True)
     return code

@@ -517,6 +517,35 @@ def test_a_late_clientapps_traceback_ends_at_its_error_line_past_its_other_threa
     assert late == 0 and problems[0].endswith("| ValueError: shape (10, 512) != (10, 256)")
 
 
+# The CI of 1b1feac failed its demo on "superexec-clientapp-2_1 | KeyboardInterrupt" (the rest of
+# that log was not kept): a ClientApp process Flower stopped twice (STOP_SIGNAL in
+# deploy/compose_e2e.py). Its shape as Flower 1.42's exit writes it, frames shortened.
+STOPPED_CLIENTAPP = """\
+superexec-clientapp-2_1  | \x1b[92mINFO \x1b[0m:      Task stopped.
+superexec-clientapp-2_1  | Traceback (most recent call last):
+superexec-clientapp-2_1  |   File "/python/venv/bin/flwr-clientapp", line 8, in <module>
+supernode-2_1            | \x1b[92mINFO \x1b[0m:      Sending: train message (ID: 9c0e11aa)
+superexec-clientapp-2_1  |     sys.exit(flwr_clientapp())
+superexec-clientapp-2_1  |   File "/python/venv/lib/python3.11/site-packages/flwr/supercore/exit/exit.py", line 104, in flwr_exit
+superexec-clientapp-2_1  |     event_future.result(timeout=TELEMETRY_TIMEOUT_SECONDS)
+superexec-clientapp-2_1  | KeyboardInterrupt
+"""
+
+
+def test_the_demo_passes_a_clientapp_process_a_second_stop_signal_ended():
+    assert compose_e2e.log_problems(STOPPED_CLIENTAPP, STREAM) == ([], 1)
+    assert compose_e2e.log_problems(STOPPED_CLIENTAPP + LATE_CLIENTAPP, STREAM) == ([], 2)
+    # anywhere else, an interrupt is a failure: no other container's process is Flower's ClientApp
+    for container in ("superexec-serverapp_1", "supernode-2_1", "superlink_1"):
+        logs = STOPPED_CLIENTAPP.replace("superexec-clientapp-2_1", container)
+        problems, stopped = compose_e2e.log_problems(logs, STREAM)
+        assert stopped == 0 and problems[0].endswith(f"{container} | KeyboardInterrupt"), container
+    # and so is an error whose name merely starts like it
+    problems, stopped = compose_e2e.log_problems(
+        STOPPED_CLIENTAPP.replace("| KeyboardInterrupt", "| KeyboardInterruptError: no"), STREAM)
+    assert stopped == 0 and len(problems) == 1
+
+
 @pytest.mark.parametrize("failure", [
     # the ClientApp raised: any other error is a failure
     ("superexec-clientapp-1_1  |     raise HTTPStatusError(message, request=request, response=self)",

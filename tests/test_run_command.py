@@ -57,6 +57,38 @@ def test_the_cause_is_results_json_then_the_superlinks_details_then_what_the_str
     assert code == 1 and line.endswith("its task died before it started (ModuleNotFoundError: No module named 'ray')")
 
 
+# from the CI of 1b1feac: the wheel test's `protofl run`, its stream's lines that matter
+RAY_NODE_LATE = """\
+INFO :      Starting simulation
+ERROR :     Backend `ray`, failed to raise: The current node timed out during startup.
+Traceback (most recent call last):
+  File ".venv/lib/python3.11/site-packages/ray/_private/node.py", line 423, in __init__
+    raise Exception(
+Exception: The current node timed out during startup. This could happen because some of the raylet failed to startup or the GCS has become overloaded.
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+    raise RuntimeError("Simulation Runtime crashed.") from ex
+RuntimeError: Simulation Runtime crashed.
+"""
+
+
+def test_a_failed_runs_cause_names_the_streams_first_error_where_the_superlinks_details_do_not():
+    errors = [line for line in RAY_NODE_LATE.splitlines() if run_command.STREAM_ERROR.match(line)]
+    assert errors[0].startswith("Exception: The current node timed out") and len(errors) == 2
+    details = "Simulation failed with exception: An error was encountered. Ending simulation."
+    code, line = run_command.verdict("7", "finished:failed", details, 0, None, stream_error=errors[0])
+    assert code == 1 and line == f"protofl run: run 7 finished:failed: {details} (the stream's first error: {errors[0]})"
+    # where the details already say it (Flower's for a ServerApp's own exception: its message), nothing is added
+    raised = "ValueError: model must be one of ['cnn'], got 'x'"
+    details = "Simulation failed with exception: model must be one of ['cnn'], got 'x'"
+    assert run_command.verdict("7", "finished:failed", details, 0, None, stream_error=raised)[1].endswith(
+        f"finished:failed: {details}")
+    assert run_command.verdict("7", "finished:completed", "N/A", 2, None, stream_error=errors[0]) == (
+        0, "protofl run: run 7 finished:completed")
+
+
 def test_the_connection_address_is_the_flower_configs(tmp_path, monkeypatch):
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))
     assert run_command.connection_address(None) == ":local:"  # no config.toml: flwr writes its default
