@@ -152,7 +152,7 @@ def start_local_superlink(bin_dir: Path, env: dict, cwd: Path, timeout: float) -
 
 
 # Startup limits of Flower's and Ray's own, constants a loaded host can miss before the run has
-# started (beside CI's other sessions, at a load of 11-13 on 2 cores, each has been missed): Flower's
+# started (beside CI's other sessions each has been missed, Flower's at a load of 11-13 on 2 cores): Flower's
 # 15 s for the SuperLink that `flwr run` starts (flwr/cli/local_superlink.py; `protofl run` starts
 # it itself and waits longer), Ray's 30 s for its node to register (ray/_private/node.py), before
 # the simulation's first round
