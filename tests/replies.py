@@ -16,7 +16,7 @@ from protofl.federation.wire import CLASS_MEANS, ClassStatistics, encode_array, 
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method, method_rule
 from protofl.strategies.fedgen import LABEL_COUNTS
-from protofl.strategies.fedkd import low_rank
+from protofl.strategies.fedkd import factor_form
 from protofl.strategies.scaffold import step_multipliers
 from protofl.task.data import load_dataset, partition_sizes
 from protofl.task.train import steps_per_epoch
@@ -75,13 +75,13 @@ def exchanges_nothing(strategy):
 
 def honest_update(strategy, pid, round_=1):
     """A plausible fit reply of partition ``pid``: small parameter changes, unit-scale class vectors,
-    and what the method's own math makes of them (SCAFFOLD's control delta, FedKD's low rank)."""
+    and what the method's own math makes of them (SCAFFOLD's control delta, FedKD's factors)."""
     rng = np.random.default_rng(10 * round_ + pid)
     parameters = [(w + rng.normal(0, 0.01, w.shape)).astype(w.dtype) if w.dtype.kind == "f" else w.copy()
                   for w in strategy.shared_weights()]
     method = strategy.settings.method
     if method == "fedkd":  # Eq. 7-8: the mentee goes up compressed with the round's energy
-        parameters = [low_rank(a, strategy.options.energy(round_)) if trained else a
+        parameters = [factor_form(a, strategy.options.energy(round_)) if trained else a
                       for a, trained in zip(parameters, strategy.trained_entries)]
     counts = strategy.discovery.registry.sizes(pid).train_counts
     dim = strategy.options.statistics_dim(10, strategy.feature_dim)

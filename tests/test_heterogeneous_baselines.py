@@ -11,13 +11,13 @@ from flwr.app import RecordDict
 from torch import nn
 
 from protofl.federation.admission import ClientUpdate
-from protofl.federation.wire import PayloadError
+from protofl.federation.wire import SEED, SERVER_ROUND, PayloadError
 from protofl.settings import ExperimentSettings
 from protofl.strategies import build_method_model, get_method
 from protofl.strategies.families.second_model import MutualModels
 from protofl.strategies.feddistill import distillation_loss
 from protofl.strategies.fedgen import LABEL_COUNTS, Generator, draw, generator_entries
-from protofl.strategies.fedkd import FedKDOptions, low_rank
+from protofl.strategies.fedkd import FedKDOptions, factor_form, from_factor_form, low_rank
 from protofl.strategies.fedtgp import adaptive_margin, margin_loss
 from protofl.task.data import load_client_data, load_dataset
 from protofl.task.losses import mean_kl
@@ -40,6 +40,47 @@ def test_low_rank_keeps_the_fewest_singular_values_above_the_energy_and_all_when
     assert np.allclose(low_rank(kernels, 0.6), np.stack([np.diag([3.0, 0, 0]), np.diag([1.0, 0, 0])])[:, None])
     for unchanged in (np.arange(3.0), np.ones((1, 4)), np.zeros((3, 3))):  # a bias, one row, no energy
         assert low_rank(unchanged, 0.5) is unchanged
+
+
+def test_factor_form_is_a_matrixs_factors_where_they_are_fewer_and_reads_back_as_low_rank():
+    rng = np.random.default_rng(0)
+
+    def near_rank_one(*shape):  # each matrix u v^T and a little noise: rank 1 at T = 0.9
+        u, v = rng.normal(size=(*shape[:-1], 1)), rng.normal(size=(*shape[:-2], 1, shape[-1]))
+        return (u @ v + 1e-3 * rng.normal(size=shape)).astype(np.float32)
+
+    for array, sent_shape in ((near_rank_one(6, 10), (16,)), (near_rank_one(4, 3, 5, 5), (4, 3, 10))):
+        sent = factor_form(array, 0.9)  # 1 x (6 + 10) numbers for 60; a kernel's 1 x (5 + 5) for 25
+        assert sent.shape == sent_shape and sent.dtype == np.float32
+        assert np.array_equal(from_factor_form(sent, array.shape), low_rank(array, 0.9))
+    matrix = np.diag([3.0, 2.0, 1.0])  # rank 2 at T = 0.9: 2 x (3 + 3) = 12 numbers for 9, so the matrix
+    assert np.array_equal(factor_form(matrix, 0.9), low_rank(matrix, 0.9))
+    assert np.array_equal(from_factor_form(factor_form(matrix, 0.9), (3, 3)), low_rank(matrix, 0.9))
+    bias = np.arange(3.0)
+    assert factor_form(bias, 0.5) is bias and from_factor_form(bias, (3,)) is bias
+
+
+@pytest.mark.parametrize("sent, shape", [
+    (np.ones(0), (6, 10)), (np.ones(15), (6, 10)), (np.ones(16 * 7), (6, 10)),  # rank 0, 15/16, 7 > min(6, 10)
+    (np.ones((4, 2, 10)), (4, 3, 5, 5)), (np.ones((6, 11)), (6, 10)),  # other batch axes; another matrix
+    (np.full(16, 1e30, np.float32), (6, 10)),  # finite factors, an infinite product
+])
+def test_from_factor_form_refuses_what_no_factors_of_the_entry_make(sent, shape):
+    with pytest.raises(PayloadError):
+        from_factor_form(sent, shape)
+
+
+def test_a_fedkd_client_uploads_its_mentees_factors_which_the_server_reads_back(digits, tmp_path):
+    settings = ExperimentSettings(method="fedkd", dataset="digits", output_dir=str(tmp_path))
+    strategy_class, client_class = get_method("fedkd")
+    strategy = strategy_class(settings, build_method_model(settings, digits), 10)
+    data = client_data(0)
+    client = client_class(settings, data, build_method_model(settings, data), 2, RecordDict())
+    sent, _, _ = client.fit(strategy.shared_weights(), {SERVER_ROUND: 1, SEED: 0})
+    trained = client.shared_arrays()  # the mentee as trained, before Eq. 7-8
+    assert sum(a.nbytes for a in sent) < sum(a.nbytes for a in trained)  # its head as factors, at least
+    for i, (received, array) in enumerate(zip(strategy.parameters_from_wire(sent), trained)):
+        assert np.array_equal(received, low_rank(array, 0.95) if strategy.compressed(i) else array)
 
 
 def test_fedkd_energy_rises_linearly_from_start_to_end_over_its_rounds_then_stays():

@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 import pytest
 from fakes import OK, FakeProxy, uploads_class_statistics
-from flwr.common import EvaluateRes, FitRes, Parameters, parameters_to_ndarrays
+from flwr.common import EvaluateRes, FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
 from inprocess import TEMPLATE_METHODS
 from replies import (
     N, aggregate_fit, altered, assert_same_state, class_means_of, exchanges_nothing, honest_update, make_strategy,
@@ -429,3 +429,34 @@ def test_fedpacs_feature_variance_is_not_screened_by_magnitude_its_head_upload_i
     replies[HOSTILE] = (proxy, altered(res, **{"head/0": encode_array(head)}))
     _, metrics = strategy.aggregate_fit(2, replies, [])
     assert metrics["accepted"] == N - 1
+
+
+def _factor_attacks():
+    """Factor forms of FedKD's m x n head weight that no honest client sends (its shape: m, n)."""
+    def decaying(m, n):  # singular values 1, 1/2, 1/4, ...: T = 0.95 keeps 3 ranks; all min(m, n) sent
+        rng = np.random.default_rng(0)
+        k = min(m, n)
+        left, right = np.linalg.qr(rng.normal(size=(m, k)))[0], np.linalg.qr(rng.normal(size=(n, k)))[0].T
+        return np.concatenate([(left * 0.5 ** np.arange(k)).ravel(), right.ravel()])
+
+    return {
+        "rank_above_min": lambda m, n: np.ones((m + n) * (min(m, n) + 1)),  # more factors than the matrix has
+        "infinite_product": lambda m, n: np.full(m + n, 1e30),  # finite factors, a product beyond float32
+        "rank_above_energy": decaying,  # every rank, where the round's energy keeps three
+    }
+
+
+@pytest.mark.parametrize("attack", sorted(_factor_attacks()))
+def test_fedkd_factors_no_truncation_makes_are_dropped(tmp_path, attack):
+    strategy = make_strategy("fedkd", tmp_path, "factors")
+    replies = [honest_update(strategy, p) for p in range(N)]
+    proxy, res = replies[HOSTILE]
+    sent = parameters_to_ndarrays(res.parameters)
+    head = next(i for i, r in enumerate(strategy.shared_weights()) if strategy.compressed(i) and r.ndim == 2)
+    sent[head] = _factor_attacks()[attack](*strategy.shared_weights()[head].shape).astype(np.float32)
+    replies[HOSTILE] = (proxy, altered(res, parameters=ndarrays_to_parameters(sent)))
+    _, metrics = strategy.aggregate_fit(1, replies, [])
+    assert metrics["accepted"] == N - 1
+    record = json.loads((tmp_path / "factors" / "results.json").read_text())["rounds"][0]
+    assert [d["partition"] for d in record["dropped"]] == [HOSTILE]
+    assert len(record["mentee_ranks"]["up"]) == N - 1

@@ -282,20 +282,20 @@ def test_fedkd_refuses_an_upload_above_its_rounds_rank(tmp_path):
     assert metrics["accepted"] == N
 
 
-def test_within_rank_asks_whether_some_matrix_compresses_to_the_upload():
-    from protofl.strategies.fedkd import low_rank, within_rank
+def test_held_rank_asks_whether_some_matrix_compresses_to_the_upload():
+    from protofl.strategies.fedkd import held_rank, low_rank
 
     # energies 9, 4, 1 (of 14): at T = 0.9 the first two ranks (13 > 12.6) are kept
     np.testing.assert_allclose(low_rank(np.diag([3.0, 2.0, 1.0]), 0.9), np.diag([3.0, 2.0, 0.0]), atol=1e-12)
-    assert within_rank(np.diag([3.0, 2.0, 0.0]), 0.9)  # 9 <= 0.9 x (13 + 1 x 4): some matrix makes it
-    assert not within_rank(np.diag([3.0, 2.0, 1.0]), 0.9)  # 13 > 0.9 x 14: two ranks would have done
-    assert within_rank(np.diag([3.0, 0.0, 0.0]), 0.9)  # one rank of over 0.9 of the energy
+    assert held_rank(np.diag([3.0, 2.0, 0.0]), 0.9) == 2  # 9 <= 0.9 x (13 + 1 x 4): some matrix makes it
+    assert held_rank(np.diag([3.0, 2.0, 1.0]), 0.9) is None  # 13 > 0.9 x 14: two ranks would have done
+    assert held_rank(np.diag([3.0, 0.0, 0.0]), 0.9) == 1  # one rank of over 0.9 of the energy
     # 9 <= 0.5 x (9 + 2 x 8.41): (3, 2.9, 2.5) makes it at T = 0.5 (9 <= 11.8 < 17.4)
-    assert within_rank(np.diag([3.0, 2.9, 0.0]), 0.5) and not within_rank(np.diag([3.0, 1.0, 0.0]), 0.5)
+    assert held_rank(np.diag([3.0, 2.9, 0.0]), 0.5) == 2 and held_rank(np.diag([3.0, 1.0, 0.0]), 0.5) is None
     rng = np.random.default_rng(0)
     for shape in ((20, 30), (6, 3, 5, 5)):  # a matrix; convolution kernels, one rank for all
         array = rng.normal(size=shape).astype(np.float32)
-        assert within_rank(low_rank(array, 0.95), 0.95) and not within_rank(array, 0.95)
+        assert held_rank(low_rank(array, 0.95), 0.95) is not None and held_rank(array, 0.95) is None
 
 
 # --- whole runs ------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A reply is admitted only when it comes from a node asked this round, once; when its partition id
 is the one that node holds, its sizes are that partition's (:mod:`protofl.federation.partitions`),
-its losses finite, its parameters the shapes and dtypes the server sent, its class statistics
+its losses finite, its parameters the shapes and dtypes the server sent (or a form the method
+reads into them: ``parameter_spec``, ``parameter_from_wire``), its class statistics
 well formed (:class:`~protofl.federation.wire.ClassStatistics`) and the method's named uploads
 (``upload_specs``) each there, of their shape and dtype, finite and within the payload cap; and
 when the method's own ``check_update`` accepts it. Then the round's magnitude screen
@@ -74,7 +75,9 @@ class Admission:
     ``references``: the shared model entries as the server built them (the shapes and dtypes every
     client's parameters must have); ``known_sizes(partition_id)``: what the server knows a
     partition holds; ``check_update``: the method's own checks; ``upload_specs()``: the method's
-    named uploads and what each must be.
+    named uploads and what each must be; ``parameter_spec(i, reference)`` and
+    ``parameter_from_wire(i, array, reference)``: the forms shared entry ``i`` may travel in, and
+    the entry read from one (default: the reference's shape and dtype, as it is).
     """
 
     def __init__(
@@ -88,10 +91,13 @@ class Admission:
         known_sizes: KnownSizes,
         check_update: Callable[[ClientUpdate], None],
         upload_specs: Callable[[], Mapping[str, ArraySpec]] = dict,
+        parameter_spec: Callable[[int, np.ndarray], ArraySpec | tuple[ArraySpec, ...]] = lambda _, r: ArraySpec.like(r),
+        parameter_from_wire: Callable[[int, np.ndarray, np.ndarray], np.ndarray] = lambda _, a, r: a,
     ) -> None:
         self.settings, self.options, self.references = settings, options, references
         self.num_classes, self.feature_dim, self.loss_metrics = num_classes, feature_dim, loss_metrics
         self.known_sizes, self.check_update, self.upload_specs = known_sizes, check_update, upload_specs
+        self.parameter_spec, self.parameter_from_wire = parameter_spec, parameter_from_wire
         self.max_payload_bytes = int(settings.max_payload_mb * 2**20)
         self.asked: dict[str, int] = {}  # node id -> partition, of this round's instructions
         self.server_round = 0  # the round whose replies are being checked (a method's check_update may read it)
@@ -145,9 +151,9 @@ class Admission:
             raise PayloadError(f"{len(res.parameters.tensors)} parameter arrays, expected {len(self.references)}")
         parameters: list[np.ndarray] = []
         for i, (tensor, reference) in enumerate(zip(res.parameters.tensors, self.references)):
-            spec = ArraySpec(reference.shape, (reference.dtype.name,))
             try:
-                parameters.append(decode_array(tensor, spec, self.max_payload_bytes))
+                array = decode_array(tensor, self.parameter_spec(i, reference), self.max_payload_bytes)
+                parameters.append(self.parameter_from_wire(i, array, reference))
             except PayloadError as err:
                 raise PayloadError(f"parameter array {i}: {err}") from None
         statistics = None

@@ -9,7 +9,7 @@
 the training split (``batchnorm-stats``) -> ``local_statistics`` (per-class means of
 ``prototype_vectors`` and the class counts, when the method uploads them) -> ``after_fit`` (what to
 keep, extra metrics) -> the model kept (``keeps_model``) -> the shared model entries, the training
-size, the metrics and the method's ``uploads`` go up.
+size, the metrics and the method's ``uploads`` go up (the entries as ``uploaded_parameters`` gives them).
 
 ``evaluate``: the model to score -> each of ``predictors()`` scored on the local test split (and,
 with ``global-test-pm``, on the global test set). The model: with ``keeps_model = "trains"``, the
@@ -124,6 +124,11 @@ class PrototypeClient(LocalTraining, ModelExchange):
         (SCAFFOLD's control-variate deltas): exactly the names of the strategy's ``upload_specs``."""
         return {}
 
+    def uploaded_parameters(self) -> list[np.ndarray]:
+        """The shared entries as they go up after training, each in a form the strategy's
+        ``parameter_from_wire`` reads (default: as they are; FedKD's: its matrices as factors)."""
+        return self.shared_arrays()
+
     def prepare_evaluation(self, parameters: list[np.ndarray], this_round: ClientRound) -> None:
         """Before scoring a model this client does not keep: set up the model to score (default: as
         for training)."""
@@ -185,7 +190,7 @@ class PrototypeClient(LocalTraining, ModelExchange):
         metrics |= {name: encode_array(array) for name, array in self.uploads().items()}
         metrics |= self.loss_parts.means()
         self.state.save(config)
-        return self.shared_arrays(), self.data.num_train, metrics
+        return self.uploaded_parameters(), self.data.num_train, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Scalar]):
         this_round = self.round_of(config)

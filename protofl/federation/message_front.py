@@ -130,6 +130,11 @@ class MessageStrategy(ServerCore, Strategy):
         """The shared entries as the ``arrays`` record, under their names in the model."""
         return ArrayRecord({name: ndarray_array(array) for name, array in zip(self.shared_names, parameters)})
 
+    def entries_record(self, parameters: list[np.ndarray]) -> ArrayRecord:
+        """The shared entries themselves, read from the forms they travel in (FedKD's factors), as
+        the record a user's ``evaluate_fn`` and the run's ``Result`` get."""
+        return self.parameters_record(self.parameters_from_wire(parameters))
+
     def start(
         self,
         grid: Grid,
@@ -178,14 +183,17 @@ class MessageStrategy(ServerCore, Strategy):
             central = self.global_scores(server_round, parameters)
             if central is not None:
                 result.evaluate_metrics_serverapp[server_round] = MetricRecord(central[1] | {"loss": central[0]})
-            if evaluate_fn is not None and (scores := evaluate_fn(server_round, arrays)) is not None:
-                result.evaluate_metrics_serverapp[server_round] = scores
+            if evaluate_fn is not None:
+                if (scores := evaluate_fn(server_round, self.entries_record(parameters))) is not None:
+                    result.evaluate_metrics_serverapp[server_round] = scores
             messages = self.configure_evaluate(server_round, arrays, evaluate_config, grid)
             if messages:
                 scored = self.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=timeout))
                 result.evaluate_metrics_clientapp[server_round] = scored
             self.recorder.track(server_round)  # the rounds before it, which are complete
             self.checkpoints.save(server_round, parameters, self.server_state)
+        if result.arrays:
+            result.arrays = self.entries_record([array.numpy() for array in result.arrays.values()])
 
 
 @functools.cache

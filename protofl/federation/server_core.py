@@ -161,7 +161,7 @@ class ServerCore(ServerRule):
         self.privacy = PrivacyAccounting(settings, self.options, names, num_classes, self.recorder, self.discovery)
         self.admission = Admission(settings, self.options, self.shared_weights(), num_classes, self.feature_dim,
                                    self.loss_metrics, self.discovery.known_sizes, self.check_update,
-                                   self.upload_specs)
+                                   self.upload_specs, self.parameter_spec, self.parameter_from_wire)
         self.evaluation = PersonalizedEvaluation(self.recorder, self.admission, self.predictor_names)
         self.checkpoints = RunCheckpoints(settings, self.recorder, client_state_dir,
                                           state_bytes if self.options.keeps_client_state else None)
@@ -235,7 +235,7 @@ class ServerCore(ServerRule):
         self.sampled = sample_partitions(available, s.fraction_fit, s.min_fit_clients, s.seed, server_round)
         self.admission.asked = {holders[p].cid: p for p in self.sampled}
         if parameters:
-            self.admission.sent_parameters = parameters
+            self.admission.sent_parameters = self.parameters_from_wire(parameters)
         self.privacy.released(server_round, self.sampled)  # before anything goes out
         configs = self.round_configs(server_round, self.sampled)
         pending = self.evaluation.pending
@@ -306,7 +306,7 @@ class ServerCore(ServerRule):
         self.discovery.registry.fixed = int(state["num_partitions"]) or None
         self.privacy.restore(state["releases"], checkpoint.server_round)  # (a run directory without dp-releases.json)
         self.evaluation.pending = state.get("pending_evaluation")
-        self.admission.sent_parameters = list(checkpoint.parameters)
+        self.admission.sent_parameters = self.parameters_from_wire(checkpoint.parameters)
         self.checkpoints.restore(checkpoint, state.get("last_trained"), self.options.keeps_client_state)
         log(INFO, "protofl: resuming %s after round %d", self.recorder.directory, checkpoint.server_round)
 
@@ -318,7 +318,7 @@ class ServerCore(ServerRule):
             return None
         if server_round > 0 and not self.settings.is_eval_round(server_round):
             return None
-        weights = self.global_model_weights(parameters)
+        weights = self.global_model_weights(self.parameters_from_wire(parameters))
         if weights is None:
             return None
         loss, accuracy = global_model_scores(self.model, weights, self.global_test,

@@ -72,8 +72,21 @@ class ServerRule:
         or not finite, is dropped."""
         return {}
 
+    def parameter_spec(self, index: int, reference: np.ndarray) -> ArraySpec | tuple[ArraySpec, ...]:
+        """What shared entry ``index`` may look like on the wire (``reference``: its initial value),
+        as clients upload it and the rule returns it. Default: the entry's shape and dtype; a method
+        whose entries travel compressed (FedKD's factors) adds their forms, which
+        :meth:`parameter_from_wire` turns into the entry."""
+        return ArraySpec.like(reference)
+
+    def parameter_from_wire(self, index: int, array: np.ndarray, reference: np.ndarray) -> np.ndarray:
+        """Shared entry ``index`` from its form on the wire, which :meth:`parameter_spec` checked;
+        raise :class:`PayloadError` when it cannot be one. Default: the array as it is."""
+        return array
+
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray] | None:
-        """Server rule: new global parameters (the shared entries), or None when none are shared."""
+        """Server rule: new global parameters (the shared entries, each in a form
+        :meth:`parameter_from_wire` reads: what goes out), or None when none are shared."""
         raise NotImplementedError
 
     def global_model_weights(self, shared: list[np.ndarray]) -> list[np.ndarray] | None:
@@ -147,6 +160,14 @@ class ServerRule:
             weights[index] = array
         return weights
 
+    def parameters_from_wire(self, parameters: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The shared entries from their forms on the wire (:meth:`parameter_from_wire`): what the
+        rule returned, what a round sent or a checkpoint holds. A list of another length as it is."""
+        references = self.shared_weights()
+        if len(parameters) != len(references):
+            return list(parameters)
+        return [self.parameter_from_wire(i, a, r) for i, (a, r) in enumerate(zip(parameters, references))]
+
     def shared_weights(self) -> list[np.ndarray]:
         """Initial values of the model entries exchanged with clients, in order: sent in round 1,
         and the shapes and dtypes every client's parameters must have."""
@@ -160,7 +181,8 @@ class ServerRule:
         saved = self.method_state.snapshot()
         try:
             new_parameters = self.aggregate_updates(server_round, updates)
-            problem = output_problem(new_parameters, self.shared_weights(), self.next_broadcasts(server_round + 1))
+            entries = None if new_parameters is None else self.parameters_from_wire(new_parameters)
+            problem = output_problem(entries, self.shared_weights(), self.next_broadcasts(server_round + 1))
         except Exception as err:  # the rule must not end the run on what clients sent
             new_parameters, problem = None, f"the server rule failed: {type(err).__name__}: {err}"
         if problem is None:

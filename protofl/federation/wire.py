@@ -181,8 +181,9 @@ def read_npy_header(stream: io.BytesIO) -> tuple[tuple[int, ...], bool, np.dtype
         return read_header(stream)
 
 
-def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
-    """``.npy`` bytes -> array, checked against ``spec``; raises :class:`PayloadError`."""
+def decode_array(blob: Any, spec: ArraySpec | tuple[ArraySpec, ...], max_bytes: int) -> np.ndarray:
+    """``.npy`` bytes -> array, checked against ``spec`` (alternatives: the one with as many axes as
+    the blob's header claims, else the first); raises :class:`PayloadError`."""
     if not isinstance(blob, bytes):
         raise PayloadError(f"expected bytes, got {type(blob).__name__}")
     if len(blob) > max_bytes:
@@ -195,6 +196,8 @@ def decode_array(blob: Any, spec: ArraySpec, max_bytes: int) -> np.ndarray:
         shape, fortran_order, dtype = read_npy_header(stream)
     except (ValueError, OSError, EOFError, SyntaxError) as err:
         raise PayloadError(f"unreadable array header ({err})") from None
+    specs = spec if isinstance(spec, tuple) else (spec,)
+    spec = next((s for s in specs if len(s.shape) == len(shape)), specs[0])
     if dtype.name not in spec.dtypes:
         raise PayloadError(f"dtype {dtype} not in {spec.dtypes}")
     if len(shape) != len(spec.shape) or any(want is not None and want != got for want, got in zip(spec.shape, shape)):

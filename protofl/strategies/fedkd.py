@@ -12,18 +12,21 @@ kh x kw matrix, one rank for the layer) keeps its largest singular values, the f
 exceeds T of the total (Eq. 7-8), T rising linearly from ``energy-start`` in round 1 to
 ``energy-end`` over ``energy-rounds`` rounds (0.95, 0.98, 1000: FedSA's scripts, whose runs are that
 long; a run's own length would make an extended run differ from a longer one); biases and buffers as
-they are. A matrix whose
-singular values but the smallest do not reach T keeps all of them (HtFLlib's would send zeros).
+they are. A matrix whose singular values but the smallest do not reach T keeps all of them
+(HtFLlib's would send zeros).
 
-Server: an upload whose matrices hold more ranks than T keeps is dropped (:func:`within_rank`); the
+On the wire, up and down, a matrix of rank r travels as its factors U_r S_r and V_r^T, r (m + n)
+numbers, where those are fewer than its m n entries (:func:`factor_form`; HtFLlib sends U_r, S_r
+and V_r^T, r (m + n + 1), always); the receiver multiplies them out (:func:`from_factor_form`).
+
+Server: an upload whose matrices hold more ranks than T keeps is dropped (:func:`held_rank`); the
 mentees averaged, unweighted (HtFLlib's), compressed again with the round's T: that is the mentee
-every client receives. The arrays travel as the low-rank matrices they are, uncompressed
-on the wire (the same numbers as HtFLlib's factors give). GM: the mentee on the global test set. PM:
-the client's mentor.
+every client receives. GM: the mentee on the global test set. PM: the client's mentor.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.federation.admission import ClientUpdate
-from protofl.federation.wire import SHARED_LOSS, PayloadError
+from protofl.federation.wire import SHARED_LOSS, ArraySpec, PayloadError
 from protofl.strategies.families.averaging import AveragingStrategy
 from protofl.strategies.families.second_model import SecondModel, SecondModelClient
 from protofl.task.losses import mean_kl
@@ -65,39 +68,91 @@ class FedKDOptions(SecondModel):
         return self.energy_start + fraction * (self.energy_end - self.energy_start)
 
 
-def low_rank(array: np.ndarray, energy: float) -> np.ndarray:
-    """Eq. 7-8: a matrix (ndim >= 2, more than one row; batched over the last two axes: a convolution's
-    kernels) rebuilt from its largest singular values, the fewest (one rank for every matrix of the
-    array) whose squared sum exceeds ``energy`` of the total, all of them when only all do; other
-    arrays unchanged."""
-    if array.ndim < 2 or array.shape[0] <= 1:
-        return array
+def compressible(array: np.ndarray) -> bool:
+    """Whether Eq. 7-8 compress ``array``: a matrix of more than one row (a convolution's kernels:
+    its last two axes, one rank for the layer; HtFLlib's test, on the first axis)."""
+    return array.ndim >= 2 and array.shape[0] > 1
+
+
+def truncated(array: np.ndarray, energy: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Eq. 7-8: (U_r S_r, V_r^T) of each matrix of a :func:`compressible` array (batched over the
+    last two axes), r the fewest singular values (one rank for every matrix of the array) whose
+    squared sum exceeds ``energy`` of the total, all of them when only all do; None for an array
+    that is not compressed (not compressible, or zero)."""
+    if not compressible(array):
+        return None
     u, s, vt = np.linalg.svd(array, full_matrices=False)
     power = s.astype(np.float64) ** 2
     total = power.sum()
     if total == 0:
-        return array
+        return None
     cumulative = np.cumsum(power.reshape(-1, s.shape[-1]).sum(axis=0))  # the first n ranks' energy, n = 1, 2, ...
     above = np.flatnonzero(cumulative[:-1] > energy * total)
     rank = int(above[0]) + 1 if len(above) else s.shape[-1]
-    return ((u[..., :rank] * s[..., None, :rank]) @ vt[..., :rank, :]).astype(array.dtype)
+    return np.ascontiguousarray(u[..., :rank] * s[..., None, :rank]), np.ascontiguousarray(vt[..., :rank, :])
 
 
-def within_rank(array: np.ndarray, energy: float, slack: float = 1e-4) -> bool:
-    """Whether ``array`` can be what :func:`low_rank` makes of some matrix at ``energy``: with r its
-    rank (one for every matrix of the array; a rank holding below 1e-10 of the energy is float32's
-    rounding, about 1e-14), its first r - 1 ranks hold at most ``energy`` of what those r and
-    min(m, n) - r more, none above the r-th, can hold (``slack``: the rounding of its singular
-    values)."""
-    if array.ndim < 2 or array.shape[0] <= 1:
-        return True
+def low_rank(array: np.ndarray, energy: float) -> np.ndarray:
+    """Eq. 7-8: ``array`` rebuilt from its :func:`truncated` factors (other arrays unchanged)."""
+    factors = truncated(array, energy)
+    return array if factors is None else (factors[0] @ factors[1]).astype(array.dtype)
+
+
+def factor_form(array: np.ndarray, energy: float) -> np.ndarray:
+    """``array`` as it travels after Eq. 7-8: each m x n matrix of rank r as r (m + n) numbers on
+    the last axis, U_r S_r then V_r^T row by row (:func:`truncated`), when those are fewer than its
+    m n entries; otherwise :func:`low_rank`'s array. :func:`from_factor_form` reads either."""
+    factors = truncated(array, energy)
+    if factors is None:
+        return array
+    us, vt = factors
+    (m, r), n = us.shape[-2:], vt.shape[-1]
+    if r * (m + n) >= m * n:
+        return (us @ vt).astype(array.dtype)
+    batch = array.shape[:-2]
+    return np.concatenate([us.reshape(*batch, m * r), vt.reshape(*batch, r * n)], axis=-1)
+
+
+def factor_spec(reference: np.ndarray) -> ArraySpec:
+    """What :func:`factor_form` may send for an entry like ``reference`` in place of the entry:
+    its batch axes and one of any length (:func:`from_factor_form` checks that length)."""
+    return ArraySpec((*reference.shape[:-2], None), (reference.dtype.name,))
+
+
+def from_factor_form(sent: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The array of ``shape`` that :func:`factor_form` sent as ``sent``: the array itself, or the
+    product of its factors (the numbers :func:`low_rank` gives). Raises :class:`PayloadError` when
+    ``sent`` is neither (factors of a rank below 1 or above min(m, n)) or their product is not finite."""
+    shape = tuple(shape)
+    if sent.shape == shape or len(shape) < 2:
+        return sent
+    *batch, m, n = shape
+    rank, extra = divmod(sent.shape[-1], m + n) if sent.shape[:-1] == tuple(batch) else (0, 1)
+    if extra or not 1 <= rank <= min(m, n):
+        raise PayloadError(f"shape {sent.shape} is neither {shape} nor its factors (r x {m + n} numbers on the "
+                           f"last axis, 1 <= r <= {min(m, n)})")
+    us = np.ascontiguousarray(sent[..., : m * rank]).reshape(*batch, m, rank)
+    vt = np.ascontiguousarray(sent[..., m * rank:]).reshape(*batch, rank, n)
+    with np.errstate(over="ignore", invalid="ignore"):
+        array = (us @ vt).astype(sent.dtype)
+    if not np.isfinite(array).all():
+        raise PayloadError("the product of its factors is not finite")
+    return array
+
+
+def held_rank(array: np.ndarray, energy: float, slack: float = 1e-4) -> int | None:
+    """The rank r of a :func:`compressible` ``array`` (one for every matrix of it; a rank holding
+    below 1e-10 of the energy is float32's rounding, about 1e-14) when it can be what
+    :func:`low_rank` makes of some matrix at ``energy``: its first r - 1 ranks hold at most
+    ``energy`` of what those r and min(m, n) - r more, none above the r-th, can hold (``slack``:
+    the rounding of its singular values). None when it cannot: it holds more ranks than that."""
     singular = np.linalg.svd(array.astype(np.float64), compute_uv=False)
     power = (singular**2).reshape(-1, singular.shape[-1]).sum(axis=0)  # each rank's energy, all matrices
     if power.sum() == 0:
-        return True
+        return 0
     rank = int(np.flatnonzero(power > 1e-10 * power.sum())[-1]) + 1
     most = power[:rank].sum() + (len(power) - rank) * power[rank - 1]  # the original's energy, at most
-    return bool(power[: rank - 1].sum() <= energy * most * (1 + slack))
+    return rank if power[: rank - 1].sum() <= energy * most * (1 + slack) else None
 
 
 def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: torch.Tensor, shared_logits: torch.Tensor,
@@ -112,27 +167,61 @@ def fedkd_loss(features: torch.Tensor, logits: torch.Tensor, shared_features: to
 
 
 class FedKDStrategy(AveragingStrategy):
+    """Each round records ``mentee_ranks``: the rank of each compressed entry of the mentee that goes
+    down (``down``) and of each accepted upload's (``up``, in partition order)."""
+
     options_class = FedKDOptions
     loss_metrics = (SHARED_LOSS,)
+
+    @functools.cached_property
+    def upload_ranks(self) -> dict[int, list[int]]:
+        """The ranks of this round's uploads' compressed entries, by partition (:meth:`check_update`)."""
+        return {}
+
+    def compressed(self, index: int) -> bool:
+        """Whether shared entry ``index`` travels compressed: a compressible trainable parameter."""
+        return self.trained_entries[index] and compressible(self.initial_weights[self.shared_indices[index]])
+
+    def parameter_spec(self, index: int, reference: np.ndarray) -> ArraySpec | tuple[ArraySpec, ...]:
+        full = ArraySpec.like(reference)
+        return (full, factor_spec(reference)) if self.compressed(index) else full
+
+    def parameter_from_wire(self, index: int, array: np.ndarray, reference: np.ndarray) -> np.ndarray:
+        return from_factor_form(array, reference.shape)
 
     def check_update(self, update: ClientUpdate) -> None:
         """Each weight matrix of the mentee must be compressed with the round's energy (Eq. 7-8)."""
         energy = self.options.energy(self.admission.server_round)
-        for i, (array, trained) in enumerate(zip(update.parameters, self.trained_entries)):
-            if trained and not within_rank(array, energy):
-                raise PayloadError(f"parameter array {i} has a rank above what the round's energy {energy:g} keeps "
-                                   "(Eq. 7-8)")
+        ranks = []
+        for i, array in enumerate(update.parameters):
+            if self.compressed(i):
+                if (rank := held_rank(array, energy)) is None:
+                    raise PayloadError(f"parameter array {i} has a rank above what the round's energy {energy:g} "
+                                       "keeps (Eq. 7-8)")
+                ranks.append(rank)
+        self.upload_ranks[update.partition_id] = ranks
 
     def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> list[np.ndarray]:
+        """The mentees' mean, compressed again with the round's energy: as it goes down, factors where
+        they are smaller (:func:`factor_form`)."""
         mean = super().aggregate_updates(server_round, updates)
         energy = self.options.energy(server_round)
-        return [low_rank(a, energy) if trained else a for a, trained in zip(mean, self.trained_entries)]
+        sent = [factor_form(a, energy) if self.compressed(i) else a for i, a in enumerate(mean)]
+        down = [held_rank(from_factor_form(f, a.shape), energy) for i, (f, a) in enumerate(zip(sent, mean))
+                if self.compressed(i)]
+        up = [self.upload_ranks.get(u.partition_id) for u in updates]
+        self.upload_ranks.clear()
+        self.recorder.update(server_round, mentee_ranks={"down": down, "up": up})
+        return sent
 
 
 class FedKDClient(SecondModelClient):
     options_class = FedKDOptions
 
     def receive(self, parameters, this_round):
+        state = self.exchanged.state_dict()
+        if len(parameters) == len(self.shared_names):  # the mentee's matrices as they travel: factors
+            parameters = [from_factor_form(a, state[name].shape) for name, a in zip(self.shared_names, parameters)]
         self.load_shared(parameters)
         with SeededDraws(self.settings.seed):  # W_h's initial values, until the client has its own
             self.hidden_map = nn.Linear(self.exchanged.feature_dim, self.model.feature_dim, bias=False)
@@ -151,10 +240,13 @@ class FedKDClient(SecondModelClient):
 
     def after_fit(self, statistics):
         self.store_personal_model(self.hidden_map, HIDDEN_MAP)
-        with torch.no_grad():  # Eq. 7-8: the mentee goes up compressed
-            for p in self.exchanged.parameters():
-                p.copy_(torch.from_numpy(low_rank(p.detach().cpu().numpy(), self.upload_energy)))
+        parameters = dict(self.exchanged.named_parameters())  # Eq. 7-8: the mentee goes up compressed
+        self.upload_forms = {name: factor_form(parameters[name].detach().cpu().numpy(), self.upload_energy)
+                             for name in self.shared_names if name in parameters}
         return {}
+
+    def uploaded_parameters(self):
+        return [self.upload_forms.get(name, array) for name, array in zip(self.shared_names, self.shared_arrays())]
 
 
 STRATEGY, CLIENT = FedKDStrategy, FedKDClient
