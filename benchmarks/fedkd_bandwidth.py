@@ -55,6 +55,7 @@ def numbers(shapes: list[tuple[int, ...]], ranks: list[int], form: str) -> int:
     total = 0
     for (*batch, m, n), r in zip(shapes, ranks):
         per_matrix = {"protofl": min(r * (m + n), m * n), "full": m * n, "htfllib": r * (m + n + 1)}[form]
+        per_matrix = per_matrix if r else m * n  # a zero matrix travels whole in both
         total += math.prod(batch) * per_matrix
     return total
 
