@@ -102,7 +102,11 @@ def factor_form(array: np.ndarray, energy: float) -> np.ndarray:
     """``array`` as it travels after Eq. 7-8: each m x n matrix of rank r as r (m + n) numbers on
     the last axis, U_r S_r then V_r^T row by row (:func:`truncated`), when those are fewer than its
     m n entries; otherwise :func:`low_rank`'s array. :func:`from_factor_form` reads either."""
-    factors = truncated(array, energy)
+    return as_sent(array, truncated(array, energy))
+
+
+def as_sent(array: np.ndarray, factors: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """:func:`factor_form` of ``array`` from its :func:`truncated` ``factors``."""
     if factors is None:
         return array
     us, vt = factors
@@ -206,9 +210,9 @@ class FedKDStrategy(AveragingStrategy):
         they are smaller (:func:`factor_form`)."""
         mean = super().aggregate_updates(server_round, updates)
         energy = self.options.energy(server_round)
-        sent = [factor_form(a, energy) if self.compressed(i) else a for i, a in enumerate(mean)]
-        down = [held_rank(from_factor_form(f, a.shape), energy) for i, (f, a) in enumerate(zip(sent, mean))
-                if self.compressed(i)]
+        factors = {i: truncated(a, energy) for i, a in enumerate(mean) if self.compressed(i)}
+        sent = [as_sent(a, factors[i]) if i in factors else a for i, a in enumerate(mean)]
+        down = [0 if f is None else f[0].shape[-1] for f in factors.values()]  # r: U_r S_r's columns
         up = [self.upload_ranks.get(u.partition_id) for u in updates]
         self.upload_ranks.clear()
         self.recorder.update(server_round, mentee_ranks={"down": down, "up": up})
