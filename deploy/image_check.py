@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import IO, Iterable
 
@@ -126,13 +127,27 @@ class _Prefixed:
 
 
 def check_layers(image: str, needles: list[bytes]) -> tuple[int, list[str]]:
-    process = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-    try:
-        return scan_saved_image(process.stdout, needles)
-    finally:
-        process.stdout.close()
-        if process.wait(timeout=600) != 0:
-            raise RuntimeError(f"docker save {image} failed")
+    """scan_saved_image on ``docker save image``, read to its end: the scan stops at the tar's first zero
+    block, and docker, still writing the second, would die of SIGPIPE on a closed pipe."""
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE, stderr=errors)
+        found, unread = None, None
+        try:
+            found = scan_saved_image(process.stdout, needles)
+            while process.stdout.read(CHUNK):
+                pass
+        except (tarfile.TarError, OSError) as error:  # what docker wrote is no image: did it fail?
+            unread = error
+        finally:
+            process.stdout.close()
+            returncode = process.wait(timeout=600)
+        if returncode != 0:
+            errors.seek(0)
+            said = errors.read()[-2000:].decode(errors="replace").strip()
+            raise RuntimeError(f"docker save {image} failed (exit {returncode}): {said or 'nothing on stderr'}")
+        if unread is not None:
+            raise unread
+    return found
 
 
 def image_user(image: str) -> str:

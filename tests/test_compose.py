@@ -5,6 +5,7 @@ command lines natively."""
 
 import functools
 import io
+import os
 import re
 import subprocess
 import sys
@@ -456,6 +457,47 @@ def test_the_image_check_finds_the_canary_in_any_layer_even_one_a_later_layer_de
     assert any("tmp/build/proxy.crt: under the build directory" in f for f in findings)
     in_history = saved_image(base, config=b'{"history": [{"created_by": "ARG CA=' + needles[0] + b'"}]}')
     assert image_check.scan_saved_image(in_history, needles)[1] == ["config.json: holds the canary"]
+
+
+def docker_saved_image(layer: dict[str, bytes]) -> tuple[bytes, int]:
+    """(a tar as ``docker save`` ends one, where its second zero block starts). Go's tar writer ends an
+    archive with two zero blocks and no record padding; Python's tarfile reads a stream in records of
+    20 blocks and stops at the first zero block. A configuration padded with spaces puts the first zero
+    block at the end of a record, as protofl-supernode:1.42.0's save has it: the reader never asks for
+    the second."""
+    layers = {f"{0:064x}/layer.tar": tar_bytes(layer), "manifest.json": b'[{"Config": "config.json"}]'}
+    for blocks in range(tarfile.RECORDSIZE // tarfile.BLOCKSIZE):
+        padded = tar_bytes(layers | {"config.json": b"{}".ljust(blocks * tarfile.BLOCKSIZE)})
+        last = tarfile.open(fileobj=io.BytesIO(padded), mode="r:").getmembers()[-1]
+        data_end = -(-(last.offset_data + last.size) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        if (data_end + tarfile.BLOCKSIZE) % tarfile.RECORDSIZE == 0:
+            return padded[:data_end] + bytes(2 * tarfile.BLOCKSIZE), data_end + tarfile.BLOCKSIZE
+    raise AssertionError("no padding puts the first zero block at a record's end")
+
+
+def test_the_image_check_reads_docker_save_to_its_end(tmp_path, monkeypatch):
+    """From the CI of c685956 (its compose demo): "docker save protofl-supernode:1.42.0 failed", with no
+    word from docker. The scan stopped at the tar's first zero block and closed the pipe while docker
+    still had the second to write: docker died of SIGPIPE. A fake docker writes its tar in two parts,
+    the second a moment later, and dies as a Go program does on a closed stdout."""
+    saved, second_zero_block = docker_saved_image({"usr/bin/python3": b"\x7fELF..."})
+    (tmp_path / "saved.tar").write_bytes(saved)
+    fake = tmp_path / "docker"
+    fake.write_text(f"""#!{sys.executable}
+import signal, sys, time
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+data = open({str(tmp_path / "saved.tar")!r}, "rb").read()
+sys.stdout.buffer.write(data[:{second_zero_block}]); sys.stdout.buffer.flush()
+time.sleep(0.5)
+sys.stdout.buffer.write(data[{second_zero_block}:]); sys.stdout.buffer.flush()
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert image_check.check_layers("protofl-supernode:1.42.0", image_check.pem_needles(CANARY)) == (1, [])
+    # a docker save that really fails still fails, with what it said
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write('Error: no such image\\n'); sys.exit(1)\n")
+    with pytest.raises(RuntimeError, match="no such image"):
+        image_check.check_layers("protofl-nothing:1.42.0", [])
 
 
 # --- deploy/compose_e2e.py: what the demo's logs may and may not show ---
