@@ -131,7 +131,7 @@ def check_layers(image: str, needles: list[bytes]) -> tuple[int, list[str]]:
     block, and docker, still writing the second, would die of SIGPIPE on a closed pipe."""
     with tempfile.TemporaryFile() as errors:
         process = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE, stderr=errors)
-        found, unread = None, None
+        unread = None
         try:
             found = scan_saved_image(process.stdout, needles)
             while process.stdout.read(CHUNK):
