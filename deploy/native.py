@@ -137,6 +137,34 @@ def start_managed_superlink(bin_dir: Path, env: Mapping[str, str], cwd: Path | N
         stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+# Startup limits of Flower's and Ray's own, constants a loaded host can miss before a run has started
+# (beside CI's other sessions each has been missed, Flower's at a load of 11-13 on 2 cores): Flower's
+# 15 s for the SuperLink that `flwr run` starts (flwr/cli/local_superlink.py; `protofl run` starts
+# it itself and waits longer), Ray's 30 s for its node to register (ray/_private/node.py), before
+# the simulation's first round
+SUPERLINK_LIMIT = "Failed to start local SuperLink within"
+RAY_NODE_LIMIT = "The current node timed out during startup"
+
+
+def missed_startup_limits(output: str) -> list[str]:
+    """The startup limits above that a run's ``output`` says it missed."""
+    return [limit for limit in (SUPERLINK_LIMIT, RAY_NODE_LIMIT) if limit in output]
+
+
+def start_local_superlink(bin_dir: Path, env: Mapping[str, str], cwd: Path, timeout: float) -> None:
+    """The managed local SuperLink of the Flower home and ports ``env`` names, started by ``bin_dir``'s
+    protofl as `protofl run` starts it (Flower's own start, waited for up to ``timeout`` s rather than
+    Flower's 15): a `flwr run` then finds it running and takes it. Raises if it did not answer."""
+    code = ("import sys; from protofl.flower_compat import start_local_superlink; "
+            f"sys.exit(start_local_superlink(False, {timeout}))")  # its reason, if any, on stderr, exit 1
+    env = dict(env) | {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    started = subprocess.run([str(bin_dir / "python"), "-c", code], cwd=cwd, env=env, capture_output=True,
+                             text=True, timeout=timeout + 60)
+    if started.returncode:
+        raise RuntimeError(f"the local SuperLink did not start: {started.stdout[-3000:]}{started.stderr[-3000:]}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

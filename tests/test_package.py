@@ -21,7 +21,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from native import free_port, kill_trees, pids_with_argument
+from native import (SUPERLINK_LIMIT, free_port, kill_trees, missed_startup_limits, pids_with_argument,
+                    start_local_superlink)
 from test_tracking import assert_same_points, expected_points, mlflow_metrics, tensorboard_scalars
 
 import protofl
@@ -141,31 +142,12 @@ def dist(tmp_path_factory) -> Path:
     return out
 
 
-def start_local_superlink(bin_dir: Path, env: dict, cwd: Path, timeout: float) -> None:
-    """The managed local SuperLink, started by the installed protofl as `protofl run` starts it
-    (Flower's own start, waited for up to ``timeout`` s rather than Flower's 15): a `flwr run` then
-    finds it running and takes it."""
-    code = ("import sys; from protofl.flower_compat import start_local_superlink; "
-            f"sys.exit(start_local_superlink(False, {timeout}))")  # its reason, if any, on stderr, exit 1
-    started = run_in(bin_dir, [str(bin_dir / "python"), "-c", code], cwd, env, timeout=timeout + 60)
-    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-
-
-# Startup limits of Flower's and Ray's own, constants a loaded host can miss before the run has
-# started (beside CI's other sessions each has been missed, Flower's at a load of 11-13 on 2 cores): Flower's
-# 15 s for the SuperLink that `flwr run` starts (flwr/cli/local_superlink.py; `protofl run` starts
-# it itself and waits longer), Ray's 30 s for its node to register (ray/_private/node.py), before
-# the simulation's first round
-SUPERLINK_LIMIT = "Failed to start local SuperLink within"
-RAY_NODE_LIMIT = "The current node timed out during startup"
-
-
 def run_past_startup_limits(bin_dir: Path, command: list[str], cwd: Path, env: dict, runs: Path, timeout: float):
     """``command`` (a run of the app), once more when its first try missed one of the startup limits
-    above: after Flower's, with the SuperLink started as Flower starts it and waited for (the run
+    (native.py): after Flower's, with the SuperLink started as Flower starts it and waited for (the run
     finds it); after Ray's, from an empty ``runs`` (the run directory it had begun)."""
     run = run_in(bin_dir, command, cwd, env, timeout=timeout)
-    missed = [limit for limit in (SUPERLINK_LIMIT, RAY_NODE_LIMIT) if limit in run.stdout + run.stderr]
+    missed = missed_startup_limits(run.stdout + run.stderr)
     if run.returncode == 0 or not missed:
         return run
     print(f"{command[0]} run: missed a startup limit ({missed[0]}); running again")
